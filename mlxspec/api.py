@@ -1,0 +1,163 @@
+"""The Python API: ``mlxspec.load(model).generate(...)`` / ``.stream(...)``.
+
+It joins the pieces in one direction: resolve + load the model (``models``), build a drafter
+(``engine.drafters``), run the loop (``engine.speculate``) and turn tokens into text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .engine.sampling import SamplingParams
+from .engine.speculate import SpeculativeDecoder
+from .engine.stats import Stats
+from .errors import UsageError
+from .models.loader import LoadedModel, load_model
+
+DRAFTERS = ("auto", "pld", "draft", "none")
+
+
+@dataclass
+class Chunk:
+    """What ``stream`` yields: the new text and tokens, and the running stats."""
+
+    text: str
+    tokens: list[int]
+    stats: Stats
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: Stats
+    finish_reason: str | None = None
+    prompt_tokens: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "stats": self.stats.to_dict()}
+
+
+class SpecModel:
+    """A loaded target (plus optional draft model) ready to generate speculatively."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+        self.target = target
+        self.draft = draft
+        self.tokenizer = target.tokenizer
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def is_demo(self) -> bool:
+        return self.target.is_demo
+
+    # -- prompts ---------------------------------------------------------
+    def encode(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict],
+        *,
+        system: str | None = None,
+        raw: bool = False,
+    ) -> list[int]:
+        """Token ids for a prompt: text (chat template applied unless ``raw``), messages, or ids."""
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        else:
+            messages = list(prompt)
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system}] + messages
+        tok = self.tokenizer
+        if not raw and getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):  # transformers may return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        text = "\n".join(m["content"] for m in messages if m.get("content"))
+        return list(tok.encode(text))
+
+    # -- generation ------------------------------------------------------
+    def stream(
+        self,
+        prompt,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        drafter: str = "auto",
+        depth: int | None = None,
+        system: str | None = None,
+        raw: bool = False,
+    ) -> Iterator[Chunk]:
+        """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final."""
+        if drafter not in DRAFTERS:
+            raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+        if max_tokens < 1:
+            raise UsageError("--max-tokens must be at least 1")
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        sampling.validate()
+        prompt_ids = self.encode(prompt, system=system, raw=raw)
+        if not prompt_ids:
+            raise UsageError("the prompt is empty")
+
+        decoder = SpeculativeDecoder(
+            self.target.model,
+            draft_model=self.draft.model if self.draft else None,
+            drafter=drafter,
+            depth=depth,
+        )
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stats = None
+        for tokens, stats in decoder.generate(
+            prompt_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_tokens=set(self.tokenizer.eos_token_ids),
+            seed=seed,
+        ):
+            text = ""
+            for t in tokens:
+                if t in self.tokenizer.eos_token_ids:
+                    continue
+                detok.add_token(t)
+            text = detok.last_segment
+            yield Chunk(text=text, tokens=tokens, stats=stats)
+        detok.finalize()
+        tail = detok.last_segment
+        if tail and stats is not None:
+            yield Chunk(text=tail, tokens=[], stats=stats)
+
+    def generate(self, prompt, **kwargs) -> Result:
+        """Run to completion; returns text, tokens and stats."""
+        t0 = time.perf_counter()
+        parts: list[str] = []
+        tokens: list[int] = []
+        stats = Stats()
+        for chunk in self.stream(prompt, **kwargs):
+            parts.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            stats = chunk.stats
+        del t0
+        return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason)
+
+
+def load(model=None, draft_model=None, **kwargs) -> SpecModel:
+    """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft."""
+    target = load_model(model)
+    draft = None
+    if draft_model is not None:
+        from .engine.drafters.draft_model import check_compatible
+
+        draft = load_model(draft_model)
+        check_compatible(target, draft)
+    return SpecModel(target, draft)

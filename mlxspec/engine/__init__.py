@@ -1,0 +1,1 @@
+"""The speculative engine: drafters propose, the target verifies, exact acceptance keeps."""

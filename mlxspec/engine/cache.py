@@ -1,0 +1,151 @@
+"""A model plus its cache, forwarded in segments and rolled back exactly.
+
+mlx-lm's caches come in three kinds as far as rollback goes:
+- attention KV caches (``KVCache`` ...): trimming the offset is exact;
+- ``RotatingKVCache`` (sliding window): trimmable until the ring wraps; after a multi-token
+  update the buffer is in temporal order, so dropping its tail is exact too;
+- ``ArraysCache`` (GatedDeltaNet / SSM conv + recurrent state): cannot be trimmed. Its arrays
+  are replaced, never mutated, by a forward, so a snapshot is a list of references: restore
+  it and re-forward the accepted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+
+from ..errors import DrafterError
+
+
+def _leaves(cache) -> list:
+    out = []
+    for c in cache:
+        if isinstance(c, CacheList):
+            out.extend(_leaves(c.caches))
+        else:
+            out.append(c)
+    return out
+
+
+class RollbackImpossible(RuntimeError):
+    """A wrapped sliding-window ring overwritten by 1-token updates cannot be rewound."""
+
+
+def _trim_rotating(c: RotatingKVCache, n: int) -> None:
+    if c.is_trimmable():
+        c.trim(n)
+        return
+    # A wrapped ring that was just written by a multi-token update is in temporal order.
+    if c._idx != c.keys.shape[2] or n >= c._idx:
+        raise RollbackImpossible("a wrapped RotatingKVCache was overwritten in place")
+    keep = c._idx - n
+    c.keys = c.keys[..., :keep, :]
+    c.values = c.values[..., :keep, :]
+    c.offset -= n
+    c._idx = keep
+
+
+@dataclass
+class _Segment:
+    start: int  # cache length before this forward
+    tokens: mx.array  # what was fed
+    snapshot: list | None  # ArraysCache contents before this forward
+
+
+class ModelState:
+    """A model with its cache; ``length`` tokens are in the cache."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cache = make_prompt_cache(model)
+        leaves = _leaves(self.cache)
+        self._arrays = [c for c in leaves if isinstance(c, ArraysCache)]
+        self._rotating = [c for c in leaves if isinstance(c, RotatingKVCache)]
+        self._trimmable = [
+            c for c in leaves if not isinstance(c, (ArraysCache, RotatingKVCache))
+        ]
+        unsupported = [
+            type(c).__name__
+            for c in self._trimmable
+            if not (isinstance(c, KVCache) or (hasattr(c, "trim") and c.is_trimmable()))
+        ]
+        self.rollback_error = (
+            f"cannot roll back cache type(s) {sorted(set(unsupported))}" if unsupported else None
+        )
+        self.length = 0
+        self._segments: list[_Segment] = []
+
+    @property
+    def needs_snapshots(self) -> bool:
+        return bool(self._arrays)
+
+    def check_rollback(self) -> None:
+        if self.rollback_error:
+            raise DrafterError(f"speculation is not supported for this model: {self.rollback_error}")
+
+    # -- forward ----------------------------------------------------------
+    def prefill(self, tokens: list[int], step: int = 2048) -> None:
+        """Feed tokens with no logits wanted, in chunks, evaluating the cache as mlx-lm does."""
+        for i in range(0, len(tokens), step):
+            chunk = mx.array(tokens[i : i + step], mx.uint32)
+            self.model(chunk[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+            self.length += len(chunk)
+            mx.clear_cache()
+        self._segments.clear()
+
+    def forward(self, tokens: mx.array, rollback: bool = True) -> mx.array:
+        """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone."""
+        if rollback:
+            snap = [list(c.cache) for c in self._arrays] if self._arrays else None
+            self._segments.append(_Segment(self.length, tokens, snap))
+        logits = self.model(tokens[None], cache=self.cache)[0]
+        self.length += tokens.shape[0]
+        return logits
+
+    def commit(self) -> None:
+        """Everything fed so far is final: drop rollback records."""
+        self._segments.clear()
+
+    # -- rollback -----------------------------------------------------------
+    def rollback_to(self, length: int) -> None:
+        """Make the cache hold exactly its first ``length`` tokens (length >= last commit)."""
+        if length >= self.length:
+            self._segments.clear()
+            return
+        if not self._arrays:
+            self._trim(self.length - length)
+            self._segments.clear()
+            return
+        # Find the segment that contains position `length`; restore its snapshot, re-feed.
+        while self._segments and self._segments[-1].start > length:
+            self._segments.pop()
+        if not self._segments:
+            raise RuntimeError(f"no rollback record reaches back to length {length}")
+        seg = self._segments.pop()
+        self._trim(self.length - seg.start)
+        for c, snap in zip(self._arrays, seg.snapshot):
+            c.cache = list(snap)
+        self.length = seg.start
+        self._segments.clear()
+        if length > seg.start:
+            self.forward(seg.tokens[: length - seg.start], rollback=False)
+
+    def _trim(self, n: int) -> None:
+        if n <= 0:
+            return
+        for c in self._trimmable:
+            c.trim(n)
+        for c in self._rotating:
+            _trim_rotating(c, n)
+        self.length -= n
+
+
+def model_nbytes(model: nn.Module) -> int:
+    """Bytes of parameters: what one forward must stream from memory."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -1,0 +1,1 @@
+"""Drafters: one proposer per module behind :class:`mlxspec.engine.drafters.base.Drafter`."""

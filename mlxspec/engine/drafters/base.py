@@ -1,0 +1,47 @@
+"""The drafter interface: every proposer (prompt lookup, draft model, MTP head) implements it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    tokens: mx.array  # (k,) proposed tokens, on device
+    logprobs: mx.array | None = None  # (k, V) processed q they were drawn from; None = one-hot
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(ABC):
+    """Proposes up to ``k`` tokens to follow the committed sequence.
+
+    ``tokens`` passed to the methods is the engine's committed sequence: prompt + output, whose
+    last token has been sampled but not yet fed to the target. It only ever grows.
+    """
+
+    name: str = "?"
+    # Relative cost of drafting one token, in units of one target forward (for the depth choice).
+    cost_per_token: float = 0.0
+    # Whether drafting needs a model forward (no free "shadow" checks while speculation is off).
+    uses_model: bool = False
+
+    def start(self, prompt: list[int]) -> None:
+        """A new request with this prompt begins."""
+
+    @abstractmethod
+    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
+        """Up to k draft tokens, or None when there is nothing worth proposing."""
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Host-side proposal without any model work (used for free shadow checks); [] if none."""
+        return []
+
+    def rollback(self, committed: int) -> None:
+        """``tokens[:committed]`` are final; forget anything drafted past them."""

@@ -1,0 +1,69 @@
+"""Prompt lookup: propose what followed the most recent earlier occurrence of the current suffix.
+
+An index maps every n-gram (n = min..max) to the position where it last ended, so a lookup
+costs O(max_ngram) dictionary probes, not a scan of the history. It is updated incrementally
+as tokens are committed; committed tokens never change, so it never needs rolling back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..sampling import SamplingParams
+from .base import Draft, Drafter
+
+
+class PromptLookupDrafter(Drafter):
+    name = "pld"
+    cost_per_token = 0.0
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending at positions < _indexed are in the index
+
+    def start(self, prompt: list[int]) -> None:
+        self._index.clear()
+        self._indexed = 0
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        # Index every end position except the last: the suffix must match an *earlier* place.
+        end = len(tokens) - 1
+        for i in range(self._indexed, end):
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if i + 1 >= n:
+                    self._index[tuple(tokens[i + 1 - n : i + 1])] = i
+        self._indexed = max(self._indexed, end)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) < self.min_ngram + 1:
+            return []
+        self._catch_up(tokens)
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            pos = self._index.get(tuple(tokens[-n:]))
+            if pos is not None:
+                return tokens[pos + 1 : pos + 1 + k]
+        return []
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
+        found = self.lookup(tokens, k)
+        if not found:
+            return None
+        return Draft(mx.array(found, mx.uint32), None)
+
+
+def repetition_score(tokens: list[int], n: int = 3, window: int = 4096) -> float:
+    """Share of positions whose n-gram already occurred earlier: how much prompt lookup can find."""
+    tail = tokens[-window:]
+    if len(tail) <= n:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for i in range(n, len(tail) + 1):
+        gram = tuple(tail[i - n : i])
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats / (len(tail) - n + 1)

@@ -1,0 +1,187 @@
+"""Gates: speculate only when it pays, at the depth that pays most.
+
+The decision uses acceptance counts and a cost curve, never wall-clock time, so a seeded run
+makes the same decisions (and so the same random draws) every time.
+
+Expected tokens per verify at depth k, with alpha_i the chance that draft position i is
+accepted given the ones before it were: E_k = 1 + sum_{j<=k} prod_{i<=j} alpha_i. A step costs
+verify(k+1) + k * draft_cost target-forward units, plain decoding 1 unit per token; speculation
+pays when E_k / cost_k > 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .drafters.base import Drafter
+
+
+@dataclass
+class CostModel:
+    """Cost of a target forward over n tokens, in units of a 1-token forward."""
+
+    slope: float = 0.1  # extra cost per extra token where no measured curve exists
+    curve: dict[int, float] = field(default_factory=dict)  # measured, e.g. by `mlxspec tune`
+
+    def verify(self, n: int) -> float:
+        if n in self.curve:
+            return self.curve[n]
+        return 1.0 + self.slope * (n - 1)
+
+    @classmethod
+    def default(cls) -> "CostModel":
+        # GPUs (Metal, CUDA) are bandwidth-bound at decode: a few extra rows are nearly free.
+        # The CPU backend pays roughly per row.
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        return cls(slope=0.08 if on_gpu else 0.35)
+
+
+class AcceptanceModel:
+    """Decayed counts of how often each draft position was reached and accepted."""
+
+    def __init__(self, max_depth: int, prior: float = 0.6, prior_weight: float = 1.0, decay: float = 0.9):
+        self.reached = [0.0] * max_depth
+        self.accepted = [0.0] * max_depth
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for i in range(len(self.reached)):
+            self.reached[i] *= self.decay
+            self.accepted[i] *= self.decay
+        for i in range(min(drafted, accepted + 1, len(self.reached))):
+            self.reached[i] += 1.0
+            self.accepted[i] += 1.0 if i < accepted else 0.0
+
+    def alphas(self) -> list[float]:
+        # Each position's prior is the previous position's estimate: deep positions with no
+        # data look like the deepest one observed, not like a fresh guess.
+        out, prev = [], self.prior
+        for r, a in zip(self.reached, self.accepted):
+            prev = (a + self.prior_weight * prev) / (r + self.prior_weight)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        total, run = 1.0, 1.0
+        for alpha in self.alphas()[:k]:
+            run *= alpha
+            total += run
+        return total
+
+
+class SpeculationGate:
+    """Per step: depth to draft (0 = decode plainly). Records why it switched on or off."""
+
+    ON_ABOVE = 1.10  # hysteresis: switch on when the best depth is 10% faster than plain
+    OFF_BELOW = 1.0
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        max_depth: int,
+        cost: CostModel | None = None,
+        fixed_depth: int | None = None,
+        enabled: bool = True,
+    ):
+        self.drafter = drafter
+        self.max_depth = fixed_depth or max_depth
+        self.fixed_depth = fixed_depth
+        self.cost = cost or CostModel.default()
+        self.gating = enabled
+        self.model = AcceptanceModel(self.max_depth)
+        self.on = True
+        self.events: list[tuple[bool, str]] = []
+        self._since_off = 0
+        self._probe_every = 16
+
+    # -- estimates ------------------------------------------------------------
+    def speedup(self, k: int) -> float:
+        step = self.cost.verify(k + 1) + k * self.drafter.cost_per_token
+        return self.model.expected_tokens(k) / step
+
+    def best_depth(self) -> tuple[int, float]:
+        if self.fixed_depth:
+            return self.fixed_depth, self.speedup(self.fixed_depth)
+        return max(((k, self.speedup(k)) for k in range(1, self.max_depth + 1)), key=lambda x: x[1])
+
+    # -- decisions --------------------------------------------------------------
+    def switch(self, on: bool, reason: str) -> None:
+        if on != self.on:
+            self.on = on
+            self.events.append((on, reason))
+            self._since_off = 0
+
+    def prompt_check(self, score: float, threshold: float = 0.1) -> None:
+        """Prompt lookup only starts on prompts that repeat themselves."""
+        if self.gating and score < threshold:
+            self.switch(False, f"prompt repetition score {score:.2f} < {threshold:.2f}")
+
+    def depth(self) -> int:
+        if not self.gating:
+            return self.max_depth if self.fixed_depth else self.best_depth()[0]
+        k, gain = self.best_depth()
+        if self.on and gain < self.OFF_BELOW:
+            self.switch(False, f"drafts stopped paying (expected {gain:.2f}x)")
+        elif not self.on and gain > self.ON_ABOVE:
+            self.switch(True, f"drafts pay again (expected {gain:.2f}x)")
+        if self.on:
+            return k
+        if self._probe_due():
+            # No free shadow check for a model drafter: probe now and then, backing off.
+            self._since_off = 0
+            self._probe_every = min(self._probe_every * 2, 512)
+            return 1
+        return 0
+
+    def _probe_due(self) -> bool:
+        return self.drafter.uses_model and self._since_off >= self._probe_every
+
+    def would_draft(self) -> bool:
+        """Cheap guess of whether the next ``depth()`` will be non-zero (for pipelining)."""
+        if self.on or not self.gating:
+            return True
+        return self.best_depth()[1] > self.ON_ABOVE or self._probe_due()
+
+    def tick_plain(self) -> None:
+        """One token was decoded plainly."""
+        if not self.on:
+            self._since_off += 1
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.model.observe(drafted, accepted)
+        if self.on:
+            self._probe_every = 16
+
+
+class ShadowDrafts:
+    """While speculation is off, check for free what prompt lookup would have proposed."""
+
+    def __init__(self, drafter: Drafter, depth: int):
+        self.drafter = drafter
+        self.depth = depth
+        self.start = 0
+        self.proposal: list[int] = []
+
+    def update(self, tokens: list[int]) -> tuple[int, int] | None:
+        """Call after tokens grew; returns (drafted, accepted) when a proposal is settled."""
+        settled = None
+        if self.proposal:
+            got = tokens[self.start : self.start + len(self.proposal)]
+            matched = 0
+            while matched < len(got) and got[matched] == self.proposal[matched]:
+                matched += 1
+            if matched < len(got) or len(got) == len(self.proposal):
+                settled = (len(self.proposal), matched)
+                self.proposal = []
+        if not self.proposal:
+            self.proposal = self.drafter.lookup(tokens, self.depth)
+            self.start = len(tokens)
+        return settled
+
+    def reset(self) -> None:
+        self.proposal = []

@@ -1,0 +1,128 @@
+"""Sampling: the processed distribution plain decoding samples from, and exact acceptance.
+
+The filters are mlx-lm's own (``apply_top_p``, ``apply_min_p``, ``apply_top_k`` applied to
+log-probabilities in that order, then temperature), so target and draft rows are processed
+exactly as ``mlx_lm.sample_utils.make_sampler`` processes the single row of plain decoding.
+
+Acceptance is done on device for all draft positions at once; the host reads back one small
+array per verify step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise UsageError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UsageError(f"top-p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise UsageError(f"top-k must be >= 0 (got {self.top_k})")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UsageError(f"min-p must be in [0, 1] (got {self.min_p})")
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        """Normalized log-probabilities of the distribution plain sampling draws from, per row."""
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.greedy:
+            return lp
+        if 0.0 < self.top_p < 1.0:
+            lp = apply_top_p(lp, self.top_p)
+        if self.min_p != 0.0:
+            lp = apply_min_p(lp, self.min_p)
+        if 0 < self.top_k < lp.shape[-1]:
+            lp = apply_top_k(lp, self.top_k)
+        scaled = lp * (1.0 / self.temperature)
+        return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+    def sample(self, logits: mx.array) -> mx.array:
+        """One token per row, as plain decoding would draw it."""
+        lp = self.logprobs(logits)
+        if self.greedy:
+            return mx.argmax(lp, axis=-1)
+        return mx.random.categorical(lp)
+
+    def sample_with_logprobs(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Sampled tokens and the processed log-probabilities they were drawn from (for q)."""
+        lp = self.logprobs(logits)
+        tok = mx.argmax(lp, axis=-1) if self.greedy else mx.random.categorical(lp)
+        return tok, lp
+
+
+def _leading_true(mask: mx.array) -> mx.array:
+    """Number of leading True values (the accepted prefix length)."""
+    return mx.cumprod(mask.astype(mx.int32)).sum()
+
+
+def accept_greedy(target_logprobs: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
+    """Temperature 0: accept while the target's argmax equals the draft.
+
+    target_logprobs: (k+1, V); draft: (k,). Returns (n_accepted, tokens) where ``tokens[n]``
+    is the target's own token after the accepted prefix (correction or bonus).
+    """
+    tokens = mx.argmax(target_logprobs, axis=-1)
+    return _leading_true(tokens[:-1] == draft), tokens
+
+
+def accept_sampled(
+    target_logprobs: mx.array, draft: mx.array, draft_logprobs: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """Leviathan/Chen speculative sampling, exact in distribution.
+
+    Accept draft token x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first reject
+    draw from norm(max(p_i - q_i, 0)); if all k are accepted draw a bonus token from p_k.
+    ``draft_logprobs`` None means a deterministic drafter (q = one-hot on the draft token),
+    for which the ratio is p_i(x_i) and the residual is p_i with x_i removed.
+
+    Returns (n_accepted, tokens) with ``tokens[n]`` the token that follows the accepted prefix.
+    """
+    k = draft.shape[0]
+    p = mx.exp(target_logprobs)
+    p_draft = p[:k]
+    px = mx.take_along_axis(p_draft, draft[:, None], axis=-1)[:, 0]
+    if draft_logprobs is None:
+        ratio = px
+        residual = mx.put_along_axis(p_draft, draft[:, None], mx.array(0.0, p.dtype), axis=-1)
+    else:
+        q = mx.exp(draft_logprobs)
+        qx = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+        ratio = px / mx.maximum(qx, 1e-30)
+        residual = mx.maximum(p_draft - q, 0.0)
+    u = mx.random.uniform(shape=(k,))
+    n = _leading_true(u < ratio)
+    # A residual of all zeros happens only where p == q, where a reject has probability 0;
+    # fall back to p there so the (unused) draw stays well defined.
+    has_mass = residual.sum(axis=-1, keepdims=True) > 0
+    residual = mx.where(has_mass, residual, p_draft)
+    corrections = mx.random.categorical(mx.log(residual))
+    bonus = mx.random.categorical(target_logprobs[k:])
+    return n, mx.concatenate([corrections, bonus])
+
+
+def accept(
+    params: SamplingParams,
+    target_logprobs: mx.array,
+    draft: mx.array,
+    draft_logprobs: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    if params.greedy:
+        return accept_greedy(target_logprobs, draft)
+    return accept_sampled(target_logprobs, draft, draft_logprobs)

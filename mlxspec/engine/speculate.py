@@ -1,0 +1,214 @@
+"""The speculative loop: draft k tokens, verify k+1 positions in one target forward, keep the
+accepted prefix plus the target's own next token, roll every cache back to what was kept.
+
+When no draft is worth making, it decodes plainly with mlx-lm's pipelining (the next step is
+queued with ``mx.async_eval`` before the current token is read), so speculation off costs
+nothing over ``mlx_lm.stream_generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
+
+from ..errors import DrafterError, UsageError
+from .cache import ModelState, model_nbytes
+from .drafters.base import Drafter
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.pld import PromptLookupDrafter, repetition_score
+from .gates import CostModel, ShadowDrafts, SpeculationGate
+from .sampling import SamplingParams, accept
+from .stats import Stats
+
+DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6}
+
+
+def make_drafter(name: str, target: nn.Module, draft_model: nn.Module | None) -> Drafter | None:
+    if name == "auto":
+        name = "draft" if draft_model is not None else "pld"
+    if name == "none":
+        return None
+    if name == "pld":
+        return PromptLookupDrafter()
+    if name == "draft":
+        if draft_model is None:
+            raise UsageError("--drafter draft needs --draft-model")
+        return DraftModelDrafter(draft_model, model_nbytes(target))
+    raise UsageError(f"unknown drafter {name!r}")
+
+
+class SpeculativeDecoder:
+    """Generates from ``model`` with an optional drafter; exact at any temperature."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        draft_model: nn.Module | None = None,
+        drafter: str | Drafter = "auto",
+        depth: int | None = None,
+        max_depth: int | None = None,
+        gates: bool = True,
+        cost: CostModel | None = None,
+    ):
+        self.model = model
+        self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(drafter, model, draft_model)
+        if depth is not None and not 1 <= depth <= 16:
+            raise UsageError(f"depth must be between 1 and 16 (got {depth})")
+        self.depth = depth
+        default_max = DEFAULT_MAX_DEPTH.get(getattr(self.drafter, "name", ""), 4)
+        self.max_depth = max_depth or depth or default_max
+        self.gates = gates
+        self.cost = cost
+
+    def generate(
+        self,
+        prompt: list[int],
+        *,
+        sampling: SamplingParams = SamplingParams(),
+        max_tokens: int = 256,
+        stop_tokens: set[int] | frozenset[int] = frozenset(),
+        seed: int | None = None,
+    ) -> Iterator[tuple[list[int], Stats]]:
+        """Yield (new tokens, running stats) as tokens are committed."""
+        if not prompt:
+            raise UsageError("the prompt is empty")
+        if seed is not None:
+            mx.random.seed(seed)
+        run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens))
+        with wired_limit(self.model, [generation_stream]), mx.stream(generation_stream):
+            yield from run.loop()
+
+
+class _Run:
+    """State of one request."""
+
+    def __init__(self, dec: SpeculativeDecoder, prompt, sampling, max_tokens, stop_tokens):
+        self.t0 = time.perf_counter()
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.stop_tokens = stop_tokens
+        self.tokens = prompt  # committed; the last one is not fed to the target yet
+        self.target = ModelState(dec.model)
+        self.drafter = dec.drafter
+        self.stats = Stats(prompt_tokens=len(prompt))
+        self.stats.drafter = self.drafter.name if self.drafter else "none"
+        self.gate = self.shadow = None
+        if self.drafter is not None:
+            try:
+                self.target.check_rollback()
+            except DrafterError as err:
+                self.stats.record_gate(False, str(err))
+                self.drafter = None
+        if self.drafter is not None:
+            self.gate = SpeculationGate(
+                self.drafter, dec.max_depth, dec.cost, fixed_depth=dec.depth, enabled=dec.gates
+            )
+            self.stats.depth = self.gate.max_depth
+            if not self.drafter.uses_model:
+                self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
+        self.emitted = 0
+        self.done = False
+        self.t_first = self.t0
+
+    # -- output -----------------------------------------------------------------
+    def _emit(self, new: list[int]) -> list[int]:
+        out = []
+        for t in new:
+            out.append(t)
+            self.emitted += 1
+            if t in self.stop_tokens:
+                self.stats.finish_reason = "stop"
+                break
+            if self.emitted >= self.max_tokens:
+                self.stats.finish_reason = "length"
+                break
+        self.done = self.stats.finish_reason is not None
+        now = time.perf_counter()
+        st = self.stats
+        if st.generated_tokens == 0 and out:
+            st.ttft_s = st.prompt_time_s = now - self.t0
+            self.t_first = now
+        st.generated_tokens += len(out)
+        st.decode_time_s = now - self.t_first
+        if st.generated_tokens // 256 != (st.generated_tokens - len(out)) // 256:
+            mx.clear_cache()
+        return out
+
+    def _sync_gate(self) -> None:
+        for on, reason in self.gate.events:
+            self.stats.record_gate(on, reason)
+        self.gate.events.clear()
+
+    # -- the loop -------------------------------------------------------------------
+    def loop(self):
+        self.target.prefill(self.tokens[:-1])
+        if self.drafter is not None:
+            self.drafter.start(self.tokens)
+            if not self.drafter.uses_model:
+                self.gate.prompt_check(repetition_score(self.tokens))
+            self._sync_gate()
+        pending = None  # a plain step in flight: tokens[-1] was fed, its successor is sampled
+        while not self.done:
+            remaining = self.max_tokens - self.emitted
+            draft = None
+            if pending is None and remaining > 1 and self.drafter is not None:
+                k = min(self.gate.depth(), remaining - 1)
+                self._sync_gate()
+                if k > 0:
+                    draft = self.drafter.propose(self.tokens, k, self.sampling)
+            if draft is not None:
+                new = self._speculative_step(draft)
+            else:
+                new, pending = self._plain_step(pending, remaining)
+            yield self._emit(new), self.stats
+
+    def _stay_plain(self) -> bool:
+        """Guess, before the in-flight token is known, whether the next step will be plain too."""
+        if self.drafter is None or not self.gate.would_draft():
+            return True
+        return not self.drafter.uses_model and not self.drafter.lookup(self.tokens, 1)
+
+    def _plain_step(self, pending, remaining):
+        sample = self.sampling.sample
+        if pending is None:
+            y = mx.array(self.tokens[-1:], mx.uint32)
+            pending = sample(self.target.forward(y, rollback=False)[-1:])
+            mx.async_eval(pending)
+        nxt = None
+        if remaining > 1 and self._stay_plain():
+            nxt = sample(self.target.forward(pending.astype(mx.uint32), rollback=False)[-1:])
+            mx.async_eval(nxt)
+        t = pending.item()
+        self.tokens.append(t)
+        self.stats.plain_steps += 1
+        if self.gate is not None:
+            self.gate.tick_plain()
+        if self.shadow is not None and not self.gate.on:
+            settled = self.shadow.update(self.tokens)
+            if settled:
+                self.gate.observe(*settled)
+        return [t], nxt
+
+    def _speculative_step(self, draft) -> list[int]:
+        k = len(draft)
+        start = self.target.length  # == len(tokens) - 1
+        inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
+        logprobs = self.sampling.logprobs(self.target.forward(inputs))
+        n_acc, out = accept(self.sampling, logprobs, draft.tokens, draft.logprobs)
+        mx.eval(n_acc, out, draft.tokens)
+        n = n_acc.item()
+        new = draft.tokens.tolist()[:n] + [out[n].item()]
+        self.target.rollback_to(start + 1 + n)
+        self.target.commit()
+        self.drafter.rollback(start + 1 + n)
+        self.tokens.extend(new)
+        self.stats.record_verify(k, n)
+        self.gate.observe(k, n)
+        if self.shadow is not None:
+            self.shadow.reset()
+        return new
