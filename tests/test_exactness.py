@@ -1,0 +1,143 @@
+"""Temperature 0: every drafter, every depth gives exactly mlx-lm's greedy tokens."""
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import ArraysCache
+
+from mlxspec.engine.cache import ModelState
+from mlxspec.engine.drafters.pld import PromptLookupDrafter
+from mlxspec.engine.speculate import SpeculativeDecoder
+from mlxspec.models import tiny
+
+N_TOKENS = 48
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef",
+    "The quick brown fox jumps over the lazy dog.",
+    # repeats itself, so prompt lookup proposes a draft at nearly every step
+    "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny =",
+]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_llama, tiny_qwen3, tiny_qwen3_5, tiny_swa):
+    return {name: mlx_lm.load(str(path)) for name, path in [
+        ("llama", tiny_llama), ("qwen3", tiny_qwen3), ("qwen3_5", tiny_qwen3_5), ("swa", tiny_swa)]}
+
+
+@pytest.fixture(scope="module")
+def near_copy_hybrid(tmp_path_factory, shared_tokenizer):
+    """The hybrid target's weights, slightly rescaled: drafts that are often but not always right."""
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("near_copy"), "qwen3_5",
+                                 tokenizer=shared_tokenizer, seed=4, weight_scale=0.23)
+    return mlx_lm.load(str(path))[0]
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_qwen3_draft):
+    return mlx_lm.load(str(tiny_qwen3_draft))[0]
+
+
+def greedy_reference(model, prompt, n=N_TOKENS):
+    out = []
+    for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
+        out.append(tok)
+    return out
+
+
+def speculate(model, prompt, n=N_TOKENS, **kw):
+    dec = SpeculativeDecoder(model, gates=False, **kw)
+    out, stats = [], None
+    for toks, stats in dec.generate(prompt, max_tokens=n):
+        out.extend(toks)
+    return out, stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "swa"])
+def test_prompt_lookup_is_exact(models, arch):
+    model, tok = models[arch]
+    fired = 0
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ref = greedy_reference(model, prompt)
+        for depth in range(1, 9):
+            got, _ = speculate(model, prompt, drafter="pld", depth=depth)
+            assert got == ref, f"{arch} depth {depth} prompt {text[:20]!r}"
+            # matching single tokens makes lookup fire at nearly every step
+            eager = PromptLookupDrafter(max_ngram=2, min_ngram=1)
+            got, stats = speculate(model, prompt, drafter=eager, depth=depth)
+            assert got == ref, f"{arch} depth {depth} (eager lookup) prompt {text[:20]!r}"
+            fired += stats.verify_steps
+    assert fired >= 20  # drafts were really proposed, accepted or rejected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "swa"])
+def test_draft_model_is_exact(models, draft, arch):
+    model, tok = models[arch]
+    for text in PROMPTS[:2]:
+        prompt = tok.encode(text)
+        ref = greedy_reference(model, prompt)
+        for depth in (1, 2, 3, 5, 8):
+            got, stats = speculate(model, prompt, drafter="draft", draft_model=draft, depth=depth)
+            assert got == ref, f"{arch} depth {depth}"
+            assert stats.drafted > 0
+
+
+def test_hybrid_partial_acceptance_is_exact(models, near_copy_hybrid):
+    """Rejections in the middle of a draft restore the GatedDeltaNet state and re-feed."""
+    model, tok = models["qwen3_5"]
+    partial = 0
+    for text in PROMPTS:
+        prompt = tok.encode(text)
+        ref = greedy_reference(model, prompt)
+        for depth in (2, 4, 8):
+            got, stats = speculate(model, prompt, drafter="draft", draft_model=near_copy_hybrid, depth=depth)
+            assert got == ref, f"depth {depth}"
+            partial += sum(1 for a in stats.position_accepted if 0 < a)
+    assert partial > 0
+
+
+def test_none_drafter_is_plain_decoding(models):
+    model, tok = models["qwen3_5"]
+    prompt = tok.encode(PROMPTS[0])
+    got, stats = speculate(model, prompt, drafter="none")
+    assert got == greedy_reference(model, prompt)
+    assert stats.verify_steps == 0 and stats.plain_steps == N_TOKENS
+
+
+def test_sliding_window_rollback_matches_sequential(models):
+    """A wrapped RotatingKVCache rolled back after a multi-token write equals sequential decoding."""
+    model, tok = models["swa"]
+    prompt = tok.encode(PROMPTS[1])  # longer than the window of 8
+    seq, spec = ModelState(model), ModelState(model)
+    for st in (seq, spec):
+        st.prefill(prompt)
+    extra = [5, 6, 7, 8]
+    spec.forward(mx.array(extra, mx.uint32))
+    spec.rollback_to(len(prompt) + 1)
+    seq.forward(mx.array(extra[:1], mx.uint32), rollback=False)
+    probe = mx.array([9], mx.uint32)
+    a = spec.forward(probe, rollback=False)
+    b = seq.forward(probe, rollback=False)
+    assert mx.argmax(a).item() == mx.argmax(b).item()
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_hybrid_rollback_restores_recurrent_state(models):
+    model, tok = models["qwen3_5"]
+    prompt = tok.encode(PROMPTS[0])
+    seq, spec = ModelState(model), ModelState(model)
+    for st in (seq, spec):
+        st.prefill(prompt)
+    spec.forward(mx.array([11, 12, 13, 14], mx.uint32))
+    spec.rollback_to(len(prompt) + 2)
+    seq.forward(mx.array([11, 12], mx.uint32), rollback=False)
+    assert spec.length == seq.length
+    recurrent = [(c1, c2) for c1, c2 in zip(spec.cache, seq.cache) if isinstance(c1, ArraysCache)]
+    assert recurrent
+    for c1, c2 in recurrent:
+        for x, y in zip(c1.cache, c2.cache):  # conv state, recurrent state
+            assert mx.allclose(x, y, atol=1e-5).item()
+    probe = mx.array([9], mx.uint32)
+    assert mx.allclose(spec.forward(probe, rollback=False), seq.forward(probe, rollback=False), atol=1e-4).item()
