@@ -119,6 +119,8 @@ class SpeculationGate:
         """Prompt lookup only starts on prompts that repeat themselves."""
         if self.gating and score < threshold:
             self.switch(False, f"prompt repetition score {score:.2f} < {threshold:.2f}")
+            # Until the output shows otherwise, expect drafts to fail as often as the prompt says.
+            self.model.prior = score
 
     def depth(self) -> int:
         if not self.gating:

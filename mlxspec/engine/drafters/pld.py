@@ -45,7 +45,12 @@ class PromptLookupDrafter(Drafter):
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             pos = self._index.get(tuple(tokens[-n:]))
             if pos is not None:
-                return tokens[pos + 1 : pos + 1 + k]
+                # Copy forward from the match; a match close to the end copies its own
+                # output, so a periodic run (x y x y ...) yields a full-length draft.
+                found = tokens[pos + 1 : pos + 1 + k]
+                while len(found) < k:
+                    found.append(found[len(found) - (len(tokens) - pos - 1)])
+                return found
         return []
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:

@@ -1,0 +1,168 @@
+"""Gates and depth: speculation steps aside when it does not pay and comes back when it does."""
+
+import random
+
+import mlx_lm
+import pytest
+
+from mlxspec.engine.drafters.pld import PromptLookupDrafter, repetition_score
+from mlxspec.engine.gates import AcceptanceModel, CostModel, SpeculationGate
+from mlxspec.engine.sampling import SamplingParams
+from mlxspec.engine.speculate import SpeculativeDecoder
+from mlxspec.models import tiny
+
+NOVEL_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3):
+    return mlx_lm.load(str(tiny_qwen3))
+
+
+@pytest.fixture(scope="module")
+def looping_llama(tmp_path_factory, shared_tokenizer):
+    """Small weights: greedy output falls into loops, as real models do when echoing text."""
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("looping"), "llama",
+                                 tokenizer=shared_tokenizer, seed=0, weight_scale=0.05)
+    return mlx_lm.load(str(path))
+
+
+def run(model, prompt, n=80, **kw):
+    dec = SpeculativeDecoder(model, **kw)
+    out, stats = [], None
+    for toks, stats in dec.generate(prompt, max_tokens=n):
+        out.extend(toks)
+    return out, stats
+
+
+def test_draft_equal_to_target_is_always_accepted(qwen3):
+    model, tok = qwen3
+    prompt = tok.encode(NOVEL_PROMPT)
+    # gates off: a draft as large as the target never pays, and the gate knows it
+    _, stats = run(model, prompt, drafter="draft", draft_model=model, depth=4, gates=False)
+    assert stats.acceptance == 1.0
+    assert stats.mean_accepted_length == pytest.approx(5.0, abs=0.5)
+    dec = SpeculativeDecoder(model, drafter="draft", draft_model=model, depth=4, gates=False)
+    for _, stats in dec.generate(prompt, sampling=SamplingParams(temperature=0.8), max_tokens=60, seed=3):
+        pass
+    assert stats.acceptance > 0.98
+
+
+def test_useless_draft_model_is_switched_off(qwen3, tiny_qwen3_draft):
+    model, tok = qwen3
+    draft = mlx_lm.load(str(tiny_qwen3_draft))[0]
+    prompt = tok.encode(NOVEL_PROMPT)
+    plain, _ = run(model, prompt, n=200, drafter="none")
+    out, stats = run(model, prompt, n=200, drafter="draft", draft_model=draft)
+    assert out == plain
+    assert stats.acceptance < 0.2
+    off = [e for e in stats.gate_events if not e.enabled]
+    assert off and "stopped paying" in off[0].reason
+    # after switching off it only probes now and then, with growing gaps
+    assert stats.verify_steps <= 12
+    assert stats.plain_steps >= 180
+
+
+def test_prompt_gate_keeps_lookup_off_for_novel_prompts(qwen3):
+    model, tok = qwen3
+    _, stats = run(model, tok.encode(NOVEL_PROMPT), n=10, drafter="pld")
+    assert stats.gate_events and not stats.gate_events[0].enabled
+    assert "prompt repetition score" in stats.gate_events[0].reason
+
+
+def test_lookup_reengages_when_output_repeats(looping_llama):
+    model, tok = looping_llama
+    prompt = tok.encode(NOVEL_PROMPT)
+    plain, _ = run(model, prompt, n=120, drafter="none")
+    # a GPU-like cost curve, so the decision does not depend on the machine running the test
+    out, stats = run(model, prompt, n=120, drafter="pld", cost=CostModel(slope=0.08))
+    assert out == plain
+    events = [(e.enabled, e.reason) for e in stats.gate_events]
+    assert events[0][0] is False
+    assert any(on and "pay again" in reason for on, reason in events), events
+    assert stats.accepted > 20
+    # fewer target forwards than tokens (plain decoding needs exactly one per token)
+    assert stats.generated_tokens / (stats.verify_steps + stats.plain_steps) > 1.1
+
+
+def test_gates_off_forces_speculation(qwen3, tiny_qwen3_draft):
+    model, tok = qwen3
+    draft = mlx_lm.load(str(tiny_qwen3_draft))[0]
+    _, stats = run(model, tok.encode(NOVEL_PROMPT), n=40, drafter="draft", draft_model=draft, depth=2, gates=False)
+    assert not stats.gate_events
+    assert stats.verify_steps >= 13
+
+
+# -- units ------------------------------------------------------------------------------
+
+class _FakeDrafter:
+    name, cost_per_token, uses_model = "fake", 0.0, False
+
+
+def test_depth_follows_acceptance():
+    gate = SpeculationGate(_FakeDrafter(), max_depth=8, cost=CostModel(slope=0.1))
+    for _ in range(40):
+        gate.observe(8, 8)
+    assert gate.depth() == 8
+    for i in range(40):  # the first position accepted one time in three: short drafts, or none
+        gate.observe(4, 1 if i % 3 == 0 else 0)
+    assert gate.depth() <= 2
+
+
+def test_gate_hysteresis_and_events():
+    gate = SpeculationGate(_FakeDrafter(), max_depth=4, cost=CostModel(slope=0.5))
+    for _ in range(30):
+        gate.observe(4, 0)
+    assert gate.depth() == 0 and not gate.on
+    assert gate.events[-1][0] is False
+    for _ in range(30):
+        gate.observe(4, 4)
+    assert gate.depth() > 0 and gate.on
+    assert gate.events[-1][0] is True
+
+
+def test_expected_tokens():
+    model = AcceptanceModel(3, prior=0.5, prior_weight=1e-9)
+    for _ in range(100):
+        model.observe(3, 3)
+    assert model.expected_tokens(3) == pytest.approx(4.0, rel=1e-3)
+
+
+def test_repetition_score():
+    assert repetition_score(list(range(100))) == 0.0
+    assert repetition_score([1, 2, 3] * 30) > 0.9
+
+
+def _brute_lookup(tokens, k, max_n, min_n):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # most recent earlier occurrence
+            if tokens[start : start + n] == suffix:
+                seq = list(tokens)  # copy forward, continuing into what was copied
+                for i in range(k):
+                    seq.append(seq[start + n + i])
+                return seq[len(tokens):]
+    return []
+
+
+def test_lookup_index_matches_brute_force():
+    rng = random.Random(1)
+    drafter = PromptLookupDrafter(max_ngram=4, min_ngram=2)
+    tokens = [rng.randrange(6) for _ in range(20)]
+    drafter.start(tokens)
+    for _ in range(300):
+        assert drafter.lookup(tokens, 5) == _brute_lookup(tokens, 5, 4, 2)
+        tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+def test_lookup_prefers_longest_then_most_recent():
+    d = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    tokens = [1, 2, 3, 9, 9, 5, 3, 7, 7, 1, 2, 3]
+    d.start(tokens)
+    assert d.lookup(tokens, 2) == [9, 9]  # "1 2 3" beats the more recent "3"
+    tokens2 = [4, 3, 8, 4, 3, 6, 4, 3]
+    d.start(tokens2)
+    assert d.lookup(tokens2, 1) == [6]  # the most recent "4 3"
+    run = [5, 1, 2, 1, 2]
+    d.start(run)
+    assert d.lookup(run, 5) == [1, 2, 1, 2, 1]  # a periodic tail proposes a full-length draft
