@@ -41,7 +41,12 @@ class SamplingParams:
 
     def logprobs(self, logits: mx.array) -> mx.array:
         """Normalized log-probabilities of the distribution plain sampling draws from, per row."""
-        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if logits.shape[0] == 1:
+            # mlx-lm's exact ops for its one row: in bf16 another reduction kernel can round
+            # the normalizer differently and break a near-tie the other way.
+            lp = logits - mx.logsumexp(logits, keepdims=True)
+        else:
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.greedy:
             return lp
         if 0.0 < self.top_p < 1.0:
