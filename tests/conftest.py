@@ -1,0 +1,62 @@
+"""Session-wide tiny checkpoints (random weights, real HF layouts), built once offline."""
+
+import pytest
+
+from mlxspec.models import tiny
+
+SHARED_VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def shared_tokenizer(tmp_path_factory):
+    """Byte-level BPE (512 tokens) shared by every model that must be draft-compatible."""
+    return tiny.train_tokenizer(tiny.builtin_corpus(), SHARED_VOCAB, tmp_path_factory.mktemp("tokenizer"))
+
+
+def _checkpoint(tmp_path_factory, name, arch, **kwargs):
+    return tiny.write_checkpoint(tmp_path_factory.mktemp(name), arch, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, shared_tokenizer):
+    """llama, hidden 64, 2 layers, untied LM head."""
+    return _checkpoint(tmp_path_factory, "tiny_llama", "llama", tokenizer=shared_tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, shared_tokenizer):
+    """qwen3 (q_norm/k_norm), hidden 64, 2 layers, tied embeddings."""
+    return _checkpoint(tmp_path_factory, "tiny_qwen3", "qwen3", tokenizer=shared_tokenizer, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_draft(tmp_path_factory, shared_tokenizer):
+    """A smaller qwen3 (hidden 32, 1 layer, other seed) with tiny_qwen3's tokenizer."""
+    return _checkpoint(tmp_path_factory, "tiny_qwen3_draft", "qwen3", tokenizer=shared_tokenizer,
+                       seed=2, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_swa(tmp_path_factory, shared_tokenizer):
+    """llama with sliding/full layers alternating, window 8 (RotatingKVCache wraps)."""
+    return _checkpoint(tmp_path_factory, "tiny_swa", "llama_swa", tokenizer=shared_tokenizer,
+                       seed=3, num_hidden_layers=4, sliding_window=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tmp_path_factory, shared_tokenizer):
+    """Qwen3.5 hybrid: 4 layers (linear, full, linear, full) + 1 mtp.* layer."""
+    return _checkpoint(tmp_path_factory, "tiny_qwen3_5", "qwen3_5", tokenizer=shared_tokenizer, seed=4)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab8(tmp_path_factory):
+    """llama over an 8-token character vocabulary, with broad next-token distributions."""
+    return _checkpoint(tmp_path_factory, "tiny_vocab8", "llama", vocab_size=8, seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_mismatched_vocab(tmp_path_factory):
+    """qwen3 whose tokenizer (BPE, 384 tokens) differs from shared_tokenizer."""
+    return _checkpoint(tmp_path_factory, "tiny_mismatched_vocab", "qwen3", vocab_size=384, seed=6)
