@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Iterator, Sequence
 
 from .engine.sampling import SamplingParams
@@ -76,7 +77,7 @@ class SpecModel:
         tok = self.tokenizer
         if not raw and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # transformers may return a BatchEncoding
+            if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
                 ids = ids["input_ids"]
             return list(ids)
         text = "\n".join(m["content"] for m in messages if m.get("content"))

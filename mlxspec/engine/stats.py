@@ -68,6 +68,11 @@ class Stats:
         return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
     @property
+    def mean_depth(self) -> float:
+        """Tokens drafted per speculative verify (``depth`` is the cap the gate chose within)."""
+        return self.drafted / self.verify_steps if self.verify_steps else 0.0
+
+    @property
     def position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
@@ -99,6 +104,7 @@ class Stats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "verify_steps": self.verify_steps,
             "plain_steps": self.plain_steps,
+            "mean_depth": round(self.mean_depth, 3),
             "depth_histogram": {str(k): v for k, v in sorted(self.depth_histogram.items())},
             "prompt_tps": round(self.prompt_tps, 2),
             "decode_tps": round(self.decode_tps, 2),

@@ -1,0 +1,339 @@
+"""The ``mlxspec`` command line."""
+
+import contextlib
+import functools
+import json
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .config import user_config_path
+from .errors import MlxspecError, UsageError
+
+DRAFTERS = ("auto", "pld", "draft", "none")  # mirrors mlxspec.api.DRAFTERS, without importing mlx
+MAX_DEPTH = 16
+DEBUG_ENV = "MLXSPEC_DEBUG"
+
+app = typer.Typer(
+    name="mlxspec",
+    help="Exact speculative decoding for MLX: faster generation with identical output.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,  # main() prints one-line errors instead
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"mlxspec {__version__} (mlx {_dist_version('mlx')}, mlx-lm {_dist_version('mlx-lm')})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print the mlxspec, mlx and mlx-lm versions and exit.")] = False,
+) -> None:
+    """Exact speculative decoding for MLX: faster generation with identical output."""
+
+
+# -- small helpers -----------------------------------------------------------
+
+
+def _error(message: str) -> None:
+    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    label = "\x1b[1;31merror:\x1b[0m" if color else "error:"
+    sys.stderr.write(f"{label} {message}\n")
+    sys.stderr.flush()
+
+
+def _note(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def _user_errors():
+    """MlxspecError -> one line on stderr and its exit code; Ctrl-C -> exit 130 quietly."""
+    try:
+        yield
+    except MlxspecError as err:
+        _error(str(err))
+        raise typer.Exit(err.exit_code)
+    except KeyboardInterrupt:
+        _note("")
+        raise typer.Exit(130)
+
+
+def _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens) -> None:
+    if drafter not in DRAFTERS:
+        raise UsageError(f"unknown drafter '{drafter}'; choose one of {', '.join(DRAFTERS)}")
+    if drafter == "draft" and not draft_model:
+        raise UsageError("--drafter draft needs --draft-model PATH_OR_REPO")
+    if depth is not None and not 1 <= depth <= MAX_DEPTH:
+        raise UsageError(f"--depth must be between 1 and {MAX_DEPTH}, got {depth}")
+    if temp < 0:
+        raise UsageError(f"--temp must be 0 or more, got {temp}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise UsageError(f"--top-k must be 0 (off) or more, got {top_k}")
+    if not 0 <= min_p <= 1:
+        raise UsageError(f"--min-p must be in [0, 1], got {min_p}")
+    if max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+
+
+def _split_positionals(model: Optional[str], prompt: Optional[str]):
+    """(model ref, prompt): a lone positional is the model only if it names one or is a path."""
+    if model is not None and prompt is None:
+        from .models.loader import is_model_ref
+
+        # a mistyped folder should fail as a model, not be sent to the demo as a prompt
+        if not model.startswith(("/", "./", "../", "~")) and not is_model_ref(model):
+            return None, model
+    return model, prompt
+
+
+def _read_stdin() -> str:
+    text = sys.stdin.read().rstrip("\r\n")
+    if not text.strip():
+        raise UsageError("the prompt on stdin is empty")
+    return text
+
+
+def _demo_notice(name: str) -> None:
+    _note(f"note: using '{name}', a small built-in demo model: fast, but its answers are not "
+          "meaningful. Use a real model with `mlxspec run <folder-or-repo-id> ...` "
+          "or set MLXSPEC_DEFAULT_MODEL.")
+
+
+# -- generation --------------------------------------------------------------
+
+
+class Answer:
+    """Streams one answer to stdout (live status on a terminal, plain text when piped)."""
+
+    def __init__(self, live: bool):
+        self.live = live
+        self.text = ""
+        self.stats = None
+        self.interrupted = False
+
+    def stream(self, spec, prompt, options: dict) -> "Answer":
+        from .ui import StreamView
+
+        chunks = spec.stream(prompt, **options)
+        view = StreamView(_stdout_console()) if self.live else None
+        try:
+            with view if view else contextlib.nullcontext():
+                for chunk in chunks:
+                    self.text += chunk.text
+                    self.stats = chunk.stats
+                    if view:
+                        view.write(chunk.text, chunk.stats)
+                    else:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+        except KeyboardInterrupt:
+            self.interrupted = True
+        finally:
+            chunks.close()  # stops the engine if the loop ended early
+        if not self.live and self.text and not self.text.endswith("\n"):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        return self
+
+
+@functools.cache
+def _stdout_console():
+    from rich.console import Console
+
+    return Console(highlight=False)  # writes to whatever sys.stdout is at the time
+
+
+@functools.cache
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _show_stats(stats, table: bool) -> None:
+    from rich.text import Text
+
+    from .ui import stats_line, stats_table
+
+    if stats is None:
+        return
+    if table:
+        _stderr_console().print(stats_table(stats))
+    else:  # soft_wrap: one line however narrow the terminal
+        _stderr_console().print(Text(stats_line(stats), style="dim"), soft_wrap=True)
+
+
+CHAT_HELP = "commands: /reset (forget the conversation), /stats (last answer's stats), /exit (or Ctrl-D)"
+
+
+def _chat(spec, options: dict, show_stats: bool, live: bool) -> None:
+    """Interactive chat: history kept across turns, Ctrl-C stops an answer, Ctrl-D quits."""
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  line editing and history for input()
+
+    _note(f"chatting with {spec.name}; {CHAT_HELP}")
+    history: list[dict] = []
+    last_stats = None
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            _note("")
+            return
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit", "/bye"):
+            return
+        if command == "/reset":
+            history.clear()
+            _note("conversation cleared")
+            continue
+        if command == "/stats":
+            if last_stats is None:
+                _note("no answer yet")
+            else:
+                _show_stats(last_stats, table=True)
+            continue
+        if command.startswith("/"):
+            _note(f"unknown command {command.split()[0]}; {CHAT_HELP}")
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            answer = Answer(live).stream(spec, list(history), options)
+        except MlxspecError as err:
+            history.pop()
+            _error(str(err))
+            continue
+        if answer.interrupted:
+            _note("[stopped]")
+        # a stopped answer stays in the history: it is what the user saw
+        history.append({"role": "assistant", "content": answer.text})
+        last_stats = answer.stats or last_stats
+        if show_stats:
+            _show_stats(answer.stats, table=False)
+
+
+# -- the run command ---------------------------------------------------------
+
+# paragraphs are unwrapped here: Typer's rich help keeps single newlines as line breaks
+RUN_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Generate text with MODEL, speculatively: the output is exactly what MODEL alone would write.
+
+MODEL is a local folder or a Hugging Face repo id already in the local cache. Without it the
+default model is used: $MLXSPEC_DEFAULT_MODEL, else default_model in {config}, else a
+small built-in demo model. With a single argument, it is MODEL if it names a model (an
+existing folder or a cached repo id) or starts like a path (/, ./, ../, ~), otherwise it is
+PROMPT for the default model.
+
+Without PROMPT the prompt is read from stdin when stdin is piped; on a terminal an
+interactive chat starts (/reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D quits).
+""".strip().split("\n\n")).format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
+
+
+@app.command(help=RUN_HELP, no_args_is_help=False)
+def run(
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
+    prompt: Annotated[Optional[str], typer.Argument(
+        metavar="PROMPT", show_default=False,
+        help="The prompt. Omit it to read stdin, or to chat on a terminal.")] = None,
+    drafter: Annotated[str, typer.Option(
+        help="How drafts are made: auto (best available), pld (prompt lookup), draft (a draft "
+             "model, needs --draft-model) or none (plain decoding).")] = "auto",
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", metavar="PATH_OR_REPO",
+        help="Small model sharing MODEL's tokenizer, used to draft tokens.")] = None,
+    depth: Annotated[Optional[int], typer.Option(
+        help=f"Tokens drafted per step, 1 to {MAX_DEPTH} (default: chosen per drafter).",
+        show_default=False)] = None,
+    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the most likely tokens "
+                                              "up to this probability mass, in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens; 0 is off.")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than MIN_P times the top "
+                                              "token's probability; 0 is off.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.",
+                                                show_default=False)] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per answer.")] = 512,
+    system: Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)] = None,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Send the prompt as is, without the model's chat template.")] = False,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object {text, tokens, stats} instead of streaming text.")] = False,
+    no_stats: Annotated[bool, typer.Option(
+        "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")] = False,
+) -> None:
+    with _user_errors():
+        _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
+        model, prompt = _split_positionals(model, prompt)
+        chat = prompt is None and sys.stdin.isatty()
+        if chat and json_out:
+            raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
+        if prompt is None and not chat:
+            prompt = _read_stdin()
+        live = not no_stats and _stdout_console().is_terminal and _stderr_console().is_terminal
+
+        from .api import load
+
+        if _stderr_console().is_terminal:
+            with _stderr_console().status("loading model…", spinner="dots"):
+                spec = load(model, draft_model=draft_model)
+        else:
+            spec = load(model, draft_model=draft_model)
+        if spec.is_demo:
+            _demo_notice(spec.name)
+
+        options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                       seed=seed, drafter=drafter, depth=depth, system=system, raw=raw)
+        if json_out:
+            result = spec.generate(prompt, **options)
+            sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        elif chat:
+            _chat(spec, options, show_stats=not no_stats, live=live)
+        else:
+            answer = Answer(live).stream(spec, prompt, options)
+            if not no_stats:
+                _show_stats(answer.stats, table=live)
+            if answer.interrupted:
+                raise typer.Exit(130)
+
+
+def main() -> None:
+    """Console-script entry point: no tracebacks for anything the user can fix."""
+    try:
+        app(prog_name="mlxspec")
+    except MlxspecError as err:
+        _error(str(err))
+        sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as err:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        detail = " ".join(str(err).split())[:200]
+        _error(f"internal error: {type(err).__name__}: {detail} (set {DEBUG_ENV}=1 for the traceback)")
+        sys.exit(1)

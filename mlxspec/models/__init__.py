@@ -1,0 +1,1 @@
+"""Model loading on top of mlx-lm."""

@@ -1,0 +1,211 @@
+"""Find a model (local folder, Hugging Face cache, configured default or the built-in demo),
+check it is a usable mlx-lm checkpoint, and load it.
+
+Nothing here downloads: a repo id must already be in the local Hugging Face cache.
+Every failure is an :class:`MlxspecError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidCheckpointError, ModelNotFoundError
+
+# the files mlx-lm itself reads from a snapshot (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS); a cached
+# snapshot only has to be complete for these, not for READMEs or PyTorch weights
+_SNAPSHOT_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+_WEIGHTS_GLOB = "model*.safetensors"  # what mlx_lm.utils.load_model globs for
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # mlx.nn.Module
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    path: Path
+    name: str
+    is_demo: bool = False
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (may exceed the tokenizer's size: padded vocabularies)."""
+        import mlx.nn as nn
+
+        for _, module in self.model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)):
+                return int(module.weight.shape[0])
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            if isinstance(cfg.get("vocab_size"), int):
+                return cfg["vocab_size"]
+        raise InvalidCheckpointError(f"cannot tell the vocabulary size of {self.name}")
+
+
+# -- resolving ------------------------------------------------------------
+
+
+def hf_cache_dir() -> Path:
+    """The hub cache as huggingface_hub computes it, but read from the environment now.
+
+    huggingface_hub freezes its constants at import; reading the variables at call time keeps
+    HF_HOME / HF_HUB_CACHE set later in the process (tests, embedding apps) effective.
+    """
+    home = os.getenv("HF_HOME") or os.path.join(
+        os.getenv("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")), "huggingface"
+    )
+    cache = os.getenv("HF_HUB_CACHE") or os.getenv("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return Path(os.path.expandvars(os.path.expanduser(cache)))
+
+
+def _display(path: Path) -> str:
+    home = Path.home()
+    try:
+        return "~/" + str(path.relative_to(home))
+    except ValueError:
+        return str(path)
+
+
+def _looks_like_path(ref: str) -> bool:
+    # repo ids are "name" or "org/name"; anything else with a separator is meant as a folder
+    return ref.startswith(("/", ".", "~")) or ref.count("/") > 1
+
+
+def _from_hf_cache(repo_id: str) -> Path | None:
+    """The cached snapshot folder of ``repo_id`` (revision main), or None when not cached."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(
+            repo_id,
+            local_files_only=True,
+            cache_dir=hf_cache_dir(),
+            allow_patterns=_SNAPSHOT_PATTERNS,
+        )
+    except (HFValidationError, LocalEntryNotFoundError):
+        return None
+    except IncompleteSnapshotError:
+        raise ModelNotFoundError(
+            f"the cached copy of '{repo_id}' in {_display(hf_cache_dir())} is incomplete; "
+            f"download it again (e.g. `hf download {repo_id}`)"
+        ) from None
+    return Path(folder)
+
+
+def _demo() -> tuple[Path, str, bool]:
+    from .demo import DEMO_NAME, demo_model_path
+
+    return Path(demo_model_path()), DEMO_NAME, True
+
+
+def _demo_name() -> str | None:
+    try:
+        from .demo import DEMO_NAME
+    except ImportError:  # a source tree without the demo assets
+        return None
+    return DEMO_NAME
+
+
+def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
+    """``(folder, display name, is_demo)`` for a model reference.
+
+    None -> $MLXSPEC_DEFAULT_MODEL, else ``default_model`` from the config file, else the demo.
+    A folder path -> that folder. Anything else -> a repo id already in the Hugging Face cache.
+    """
+    if ref is None:
+        from ..config import default_model
+
+        configured = default_model()
+        return resolve_model(configured) if configured else _demo()
+    ref = ref.strip()
+    if not ref:
+        raise ModelNotFoundError("the model name is empty")
+    if ref == _demo_name():
+        return _demo()
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return path.resolve(), path.resolve().name, False
+    if path.exists():
+        raise ModelNotFoundError(f"model '{ref}' is a file; give the folder holding config.json")
+    if _looks_like_path(ref):
+        raise ModelNotFoundError(f"model folder '{ref}' does not exist")
+    folder = _from_hf_cache(ref)
+    if folder is None:
+        raise ModelNotFoundError(
+            f"model '{ref}' is not a local folder and is not in the Hugging Face cache "
+            f"({_display(hf_cache_dir())}); download it first (e.g. `hf download {ref}`)"
+        )
+    return folder, ref, False
+
+
+def is_model_ref(ref: str) -> bool:
+    """Whether ``ref`` names a model (folder, cached repo id, demo) — the CLI's one-argument rule."""
+    try:
+        resolve_model(ref)
+    except ModelNotFoundError:
+        return False
+    return True
+
+
+# -- checking and loading -------------------------------------------------
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    # mlx lists missing/extra parameter names on the lines after the first: keep them, joined
+    line = " ".join(str(err).split()) or type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def check_checkpoint(path: Path, name: str) -> dict:
+    """Catch the common ways a folder is not a loadable checkpoint; returns the parsed config."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidCheckpointError(f"model '{name}' ({path}) has no config.json")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        message = f"config.json of model '{name}' is not valid JSON: {_one_line(err)}"
+        raise InvalidCheckpointError(message) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise InvalidCheckpointError(f"config.json of model '{name}' has no \"model_type\"")
+    if not any(path.glob(_WEIGHTS_GLOB)):
+        raise InvalidCheckpointError(f"model '{name}' ({path}) has no weights ({_WEIGHTS_GLOB} files)")
+
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except ValueError:
+        import mlx_lm
+
+        raise InvalidCheckpointError(
+            f"model '{name}' has model_type '{config['model_type']}', "
+            f"which mlx-lm {mlx_lm.__version__} does not support"
+        ) from None
+    return config
+
+
+def load_model(ref: str | None) -> LoadedModel:
+    """Resolve, check and load a model with its tokenizer."""
+    path, name, is_demo = resolve_model(ref)
+    check_checkpoint(path, name)
+    from mlx_lm.utils import load
+
+    try:
+        model, tokenizer, config = load(str(path), return_config=True)
+    except Exception as err:  # mlx/transformers raise many types for broken files
+        raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)

@@ -1,0 +1,136 @@
+"""Terminal rendering for the CLI: a streamed answer with a live status line, and stats."""
+
+from __future__ import annotations
+
+import time
+
+from rich.cells import cell_len
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .engine.stats import Stats
+
+
+def status_text(stats: Stats | None) -> Text:
+    """One line: speed, acceptance, drafter, depth and whether the gate has speculation on."""
+    if stats is None or stats.generated_tokens == 0:
+        return Text("prefilling…", style="dim", no_wrap=True)
+    parts = [f"{stats.generated_tokens} tok", f"{stats.decode_tps:.1f} tok/s"]
+    if stats.drafter != "none":
+        parts += [f"accept {stats.acceptance:.0%}", f"{stats.drafter} depth {stats.depth}",
+                  "spec on" if stats.speculating else "spec off"]
+    else:
+        parts.append("no drafter")
+    return Text(" · ".join(parts), style="dim", no_wrap=True, overflow="ellipsis")  # always one row
+
+
+def stats_line(stats: Stats) -> str:
+    """A short one-line summary (piped output, chat turns)."""
+    parts = [
+        f"{stats.generated_tokens} tokens",
+        f"{stats.decode_tps:.1f} tok/s",
+        f"prompt {stats.prompt_tokens} tok at {stats.prompt_tps:.1f} tok/s",
+        f"ttft {stats.ttft_s:.2f}s",
+    ]
+    if stats.drafter == "none":
+        parts.append("drafter none")
+    else:
+        parts.append(f"{stats.drafter} depth {stats.depth}")
+        parts.append(f"accepted {stats.accepted}/{stats.drafted} ({stats.acceptance:.0%})")
+    return " · ".join(parts)
+
+
+def stats_table(stats: Stats) -> Table:
+    table = Table(title="mlxspec stats", show_header=False, title_style="bold", box=None, padding=(0, 2))
+    table.add_column(style="cyan", no_wrap=True)
+    table.add_column()
+    rows = [
+        ("tokens", f"{stats.prompt_tokens} prompt, {stats.generated_tokens} generated"),
+        ("decode", f"{stats.decode_tps:.1f} tok/s"),
+        ("prefill", f"{stats.prompt_tps:.1f} tok/s"),
+        ("first token", f"{stats.ttft_s:.3f} s"),
+        ("drafter", f"{stats.drafter} (depth {stats.depth})"),
+    ]
+    if stats.drafter != "none":
+        rows += [
+            ("accepted", f"{stats.accepted}/{stats.drafted} drafted tokens ({stats.acceptance:.1%})"),
+            ("tokens per verify", f"{stats.mean_accepted_length:.2f}"),
+            ("forwards", f"{stats.verify_steps} verify, {stats.plain_steps} plain"),
+        ]
+        if stats.gate_events:
+            last = stats.gate_events[-1]
+            rows.append(("gate", f"{len(stats.gate_events)} switches, last: "
+                                 f"{'on' if last.enabled else 'off'} ({last.reason})"))
+    if stats.finish_reason:
+        rows.append(("finish", stats.finish_reason))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+class StreamView:
+    """Streams text to a terminal with a transient status line under it.
+
+    Rich's Live can only redraw whole lines below the text, so finished lines are printed
+    above the live region and the unfinished line is drawn inside it, with the status. The
+    unfinished line is cut at a space once it is wider than the terminal, which keeps the
+    live region two rows high (a region taller than the screen cannot be redrawn cleanly).
+    """
+
+    def __init__(self, console: Console, min_refresh_s: float = 0.05):
+        self.console = console
+        self.partial = ""
+        self.stats: Stats | None = None
+        self.min_refresh_s = min_refresh_s
+        self._last_refresh = 0.0
+        self.live = Live(console=console, transient=True, auto_refresh=False,
+                         redirect_stdout=False, redirect_stderr=False)
+
+    def __enter__(self) -> "StreamView":
+        self.live.start()
+        self._refresh(force=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def write(self, text: str, stats: Stats | None) -> None:
+        self.stats = stats
+        self.partial += text
+        if "\n" in self.partial:
+            *done, self.partial = self.partial.split("\n")
+            for line in done:
+                self.console.print(Text(line))
+        width = max(self.console.width, 10)
+        while cell_len(self.partial) > width:
+            head, self.partial = _cut(self.partial, width)
+            self.console.print(Text(head))
+        self._refresh()
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last_refresh >= self.min_refresh_s:
+            self._last_refresh = now
+            self.live.update(Group(Text(self.partial), status_text(self.stats)), refresh=True)
+
+    def close(self) -> None:
+        """Remove the status line and leave the text, ending with a newline."""
+        if not self.live.is_started:
+            return
+        self.live.stop()
+        if self.partial:
+            self.console.print(Text(self.partial))
+            self.partial = ""
+
+
+def _cut(line: str, width: int) -> tuple[str, str]:
+    """Split LINE into a head at most WIDTH cells wide (at the last space if any) and the rest."""
+    end = min(len(line), width)
+    while end > 1 and cell_len(line[:end]) > width:
+        end -= 1
+    space = line.rfind(" ", 0, end + 1)
+    if space > 0:
+        return line[:space], line[space + 1:]
+    return line[:end], line[end:]
