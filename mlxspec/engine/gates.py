@@ -97,6 +97,7 @@ class SpeculationGate:
         self.events: list[tuple[bool, str]] = []
         self._since_off = 0
         self._probe_every = 16
+        self._best: tuple[int, float] | None = None
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
@@ -104,9 +105,14 @@ class SpeculationGate:
         return self.model.expected_tokens(k) / step
 
     def best_depth(self) -> tuple[int, float]:
-        if self.fixed_depth:
-            return self.fixed_depth, self.speedup(self.fixed_depth)
-        return max(((k, self.speedup(k)) for k in range(1, self.max_depth + 1)), key=lambda x: x[1])
+        # Asked once per token while decoding plainly: recomputed only after new observations.
+        if self._best is None:
+            if self.fixed_depth:
+                self._best = self.fixed_depth, self.speedup(self.fixed_depth)
+            else:
+                self._best = max(((k, self.speedup(k)) for k in range(1, self.max_depth + 1)),
+                                 key=lambda x: x[1])
+        return self._best
 
     # -- decisions --------------------------------------------------------------
     def switch(self, on: bool, reason: str) -> None:
@@ -121,6 +127,7 @@ class SpeculationGate:
             self.switch(False, f"prompt repetition score {score:.2f} < {threshold:.2f}")
             # Until the output shows otherwise, expect drafts to fail as often as the prompt says.
             self.model.prior = score
+            self._best = None
 
     def depth(self) -> int:
         if not self.gating:
@@ -156,6 +163,7 @@ class SpeculationGate:
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.model.observe(drafted, accepted)
+            self._best = None
         if self.on:
             self._probe_every = 16
 
