@@ -35,12 +35,21 @@ def main():
     tokenizer = load_tokenizer(tok_dir)
     prompt = tokenizer.encode("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n" * 4)
     model = random_model(a.shape, len(tokenizer.get_vocab()), 4)
-    ref, lps = [], []
-    for (t, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=a.tokens), range(a.tokens)):
-        ref.append(t)
-        lps.append(lp)
+    def mlx_lm_greedy():
+        toks, lps = [], []
+        for (t, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=a.tokens), range(a.tokens)):
+            toks.append(t)
+            lps.append(lp)
+        return toks, lps
+
+    ref, lps = mlx_lm_greedy()
+    ref2, lps2 = mlx_lm_greedy()
     gaps = [(mx.sort(l)[-1] - mx.sort(l)[-2]).item() for l in lps]
-    report = {"shape": a.shape, "median_top2_gap": sorted(gaps)[len(gaps) // 2]}
+    report = {"shape": a.shape, "median_top2_gap": sorted(gaps)[len(gaps) // 2],
+              # is plain decoding itself repeatable on this backend?
+              "mlx_lm_repeat_first_diff": first_diff(ref, ref2),
+              "mlx_lm_repeat_first_nonbitwise_logits": next(
+                  (i for i, (x, y) in enumerate(zip(lps, lps2)) if not mx.array_equal(x, y).item()), None)}
     for drafter in ("none", "pld"):
         for depth in (2, 4, 8):
             dec = SpeculativeDecoder(model, drafter=drafter, depth=depth, gates=False)
@@ -48,6 +57,8 @@ def main():
             i = first_diff(ref, got)
             report[f"{drafter}_d{depth}"] = {"first_diff": i, "top2_gap_there": gaps[i] if i is not None else None}
             if drafter == "none":
+                again = [t for toks, _ in dec.generate(prompt, max_tokens=a.tokens) for t in toks]
+                report["none_repeat_first_diff"] = first_diff(got, again)
                 break
     print(json.dumps(report))
 
