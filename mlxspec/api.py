@@ -6,7 +6,6 @@ It joins the pieces in one direction: resolve + load the model (``models``), bui
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Iterator, Sequence
@@ -103,7 +102,7 @@ class SpecModel:
         if drafter not in DRAFTERS:
             raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if max_tokens < 1:
-            raise UsageError("--max-tokens must be at least 1")
+            raise UsageError("max_tokens must be at least 1")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         sampling.validate()
         prompt_ids = self.encode(prompt, system=system, raw=raw)
@@ -126,13 +125,11 @@ class SpecModel:
             stop_tokens=set(self.tokenizer.eos_token_ids),
             seed=seed,
         ):
-            text = ""
             for t in tokens:
                 if t in self.tokenizer.eos_token_ids:
                     continue
                 detok.add_token(t)
-            text = detok.last_segment
-            yield Chunk(text=text, tokens=tokens, stats=stats)
+            yield Chunk(text=detok.last_segment, tokens=tokens, stats=stats)
         detok.finalize()
         tail = detok.last_segment
         if tail and stats is not None:
@@ -140,7 +137,6 @@ class SpecModel:
 
     def generate(self, prompt, **kwargs) -> Result:
         """Run to completion; returns text, tokens and stats."""
-        t0 = time.perf_counter()
         parts: list[str] = []
         tokens: list[int] = []
         stats = Stats()
@@ -148,7 +144,6 @@ class SpecModel:
             parts.append(chunk.text)
             tokens.extend(chunk.tokens)
             stats = chunk.stats
-        del t0
         return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason)
 
 
