@@ -141,3 +141,35 @@ def test_hybrid_rollback_restores_recurrent_state(models):
             assert mx.allclose(x, y, atol=1e-5).item()
     probe = mx.array([9], mx.uint32)
     assert mx.allclose(spec.forward(probe, rollback=False), seq.forward(probe, rollback=False), atol=1e-4).item()
+
+
+def test_sliding_window_draft_model_is_exact(models):
+    """A draft model whose window wraps during 1-token draft steps cannot rewind in place:
+    it starts over from the committed tokens, and the output stays exact."""
+    target, tok = models["llama"]
+    swa_draft = models["swa"][0]
+    prompt = tok.encode(PROMPTS[1])
+    ref = greedy_reference(target, prompt)
+    for depth in (2, 5):
+        got, stats = speculate(target, prompt, drafter="draft", draft_model=swa_draft, depth=depth)
+        assert got == ref
+        assert stats.verify_steps > 5
+
+
+def test_wrapped_ring_rolls_back_one_token_writes(models):
+    """Draft models write their window one token at a time, overwriting in place: undoable."""
+    model, tok = models["swa"]
+    prompt = tok.encode(PROMPTS[1])  # longer than the window of 8: the ring is full
+    seq, spec = ModelState(model), ModelState(model)
+    for st in (seq, spec):
+        st.prefill(prompt)
+    for t in [5, 6, 7, 8, 9]:
+        spec.forward(mx.array([t], mx.uint32))
+    spec.rollback_to(len(prompt) + 2)
+    spec.commit()
+    seq.forward(mx.array([5, 6], mx.uint32), rollback=False)
+    probe = mx.array([9], mx.uint32)
+    a = spec.forward(probe, rollback=False)
+    b = seq.forward(probe, rollback=False)
+    assert spec.length == seq.length
+    assert mx.allclose(a, b, atol=1e-4).item()

@@ -35,6 +35,8 @@ class RollbackImpossible(RuntimeError):
 
 
 def _trim_rotating(c: RotatingKVCache, n: int) -> None:
+    if n <= 0:
+        return
     if c.is_trimmable():
         c.trim(n)
         return
@@ -52,7 +54,21 @@ def _trim_rotating(c: RotatingKVCache, n: int) -> None:
 class _Segment:
     start: int  # cache length before this forward
     tokens: mx.array  # what was fed
-    snapshot: list | None  # ArraysCache contents before this forward
+    arrays: list | None  # ArraysCache contents before this forward
+    rings: dict | None  # rotating caches a 1-token write may overwrite: index -> saved state
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens.shape[0]
+
+
+def _save_ring(c: RotatingKVCache) -> tuple:
+    # Views keep the old contents: MLX copies on write when a buffer is still referenced.
+    return c.keys[...], c.values[...], c.offset, c._idx
+
+
+def _load_ring(c: RotatingKVCache, saved: tuple) -> None:
+    c.keys, c.values, c.offset, c._idx = saved
 
 
 class ModelState:
@@ -78,10 +94,6 @@ class ModelState:
         self.length = 0
         self._segments: list[_Segment] = []
 
-    @property
-    def needs_snapshots(self) -> bool:
-        return bool(self._arrays)
-
     def check_rollback(self) -> None:
         if self.rollback_error:
             raise DrafterError(f"speculation is not supported for this model: {self.rollback_error}")
@@ -100,8 +112,16 @@ class ModelState:
     def forward(self, tokens: mx.array, rollback: bool = True) -> mx.array:
         """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone."""
         if rollback:
-            snap = [list(c.cache) for c in self._arrays] if self._arrays else None
-            self._segments.append(_Segment(self.length, tokens, snap))
+            n = tokens.shape[0]
+            arrays = [list(c.cache) for c in self._arrays] if self._arrays else None
+            # A multi-token write to a ring concatenates (its tail can be cut); a 1-token write
+            # to a full ring overwrites in place, so keep what it overwrites.
+            rings = {
+                i: _save_ring(c)
+                for i, c in enumerate(self._rotating)
+                if n == 1 and c.keys is not None and c.offset + 1 >= c.max_size
+            }
+            self._segments.append(_Segment(self.length, tokens, arrays, rings or None))
         logits = self.model(tokens[None], cache=self.cache)[0]
         self.length += tokens.shape[0]
         return logits
@@ -113,30 +133,34 @@ class ModelState:
     # -- rollback -----------------------------------------------------------
     def rollback_to(self, length: int) -> None:
         """Make the cache hold exactly its first ``length`` tokens (length >= last commit)."""
+        undone = [seg for seg in self._segments if seg.end > length]
+        self._segments.clear()
         if length >= self.length:
-            self._segments.clear()
             return
-        if not self._arrays:
-            self._trim(self.length - length)
-            self._segments.clear()
+        if not self._arrays and not any(seg.rings for seg in undone):
+            self._trim_all(self.length - length)
             return
-        # Find the segment that contains position `length`; restore its snapshot, re-feed.
-        while self._segments and self._segments[-1].start > length:
-            self._segments.pop()
-        if not self._segments:
-            raise RuntimeError(f"no rollback record reaches back to length {length}")
-        seg = self._segments.pop()
-        self._trim(self.length - seg.start)
-        for c, snap in zip(self._arrays, seg.snapshot):
+        # Restore the state from before the segment holding position `length`, then re-feed
+        # the part of that segment that is kept.
+        if not undone or undone[0].start > length:
+            raise RollbackImpossible(f"no rollback record reaches back to length {length}")
+        seg = undone[0]
+        for i, c in enumerate(self._rotating):
+            saved = next(((s.start, s.rings[i]) for s in undone if s.rings and i in s.rings), None)
+            if saved is None:
+                _trim_rotating(c, self.length - seg.start)
+            else:
+                _load_ring(c, saved[1])
+                _trim_rotating(c, saved[0] - seg.start)  # it had not wrapped before then
+        for c in self._trimmable:
+            c.trim(self.length - seg.start)
+        for c, snap in zip(self._arrays, seg.arrays or []):
             c.cache = list(snap)
         self.length = seg.start
-        self._segments.clear()
         if length > seg.start:
             self.forward(seg.tokens[: length - seg.start], rollback=False)
 
-    def _trim(self, n: int) -> None:
-        if n <= 0:
-            return
+    def _trim_all(self, n: int) -> None:
         for c in self._trimmable:
             c.trim(n)
         for c in self._rotating:
