@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import DrafterError
+from ..models.mtp.head import split_trunk
 
 
 def _leaves(cache) -> list:
@@ -74,9 +75,13 @@ def _load_ring(c: RotatingKVCache, saved: tuple) -> None:
 class ModelState:
     """A model with its cache; ``length`` tokens are in the cache."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep_hidden: bool = False):
         self.model = model
         self.cache = make_prompt_cache(model)
+        # An MTP drafter needs the trunk's final-norm hidden states: run body and lm_head apart
+        # (the same ops the model's own __call__ runs) and keep the hidden of the last forward.
+        self._trunk = split_trunk(model) if keep_hidden else None
+        self.hidden: mx.array | None = None
         leaves = _leaves(self.cache)
         self._arrays = [c for c in leaves if isinstance(c, ArraysCache)]
         self._rotating = [c for c in leaves if isinstance(c, RotatingKVCache)]
@@ -99,15 +104,25 @@ class ModelState:
             raise DrafterError(f"speculation is not supported for this model: {self.rollback_error}")
 
     # -- forward ----------------------------------------------------------
-    def prefill(self, tokens: list[int], step: int = 2048) -> None:
-        """Feed tokens with no logits wanted, in chunks, evaluating the cache as mlx-lm does."""
+    def prefill(self, tokens: list[int], step: int = 2048) -> mx.array | None:
+        """Feed tokens with no logits wanted, in chunks, evaluating the cache as mlx-lm does.
+
+        With ``keep_hidden`` returns their hidden states (n, H)."""
+        hidden = []
         for i in range(0, len(tokens), step):
             chunk = mx.array(tokens[i : i + step], mx.uint32)
-            self.model(chunk[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            if self._trunk is None:
+                self.model(chunk[None], cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            else:
+                hidden.append(self._trunk.body(chunk[None], cache=self.cache)[0])
+                mx.eval([c.state for c in self.cache], hidden[-1])
             self.length += len(chunk)
             mx.clear_cache()
         self._segments.clear()
+        if self._trunk is None:
+            return None
+        return mx.concatenate(hidden) if hidden else None
 
     def forward(self, tokens: mx.array, rollback: bool = True) -> mx.array:
         """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone."""
@@ -122,7 +137,12 @@ class ModelState:
                 if n == 1 and c.keys is not None and c.offset + 1 >= c.max_size
             }
             self._segments.append(_Segment(self.length, tokens, arrays, rings or None))
-        logits = self.model(tokens[None], cache=self.cache)[0]
+        if self._trunk is None:
+            logits = self.model(tokens[None], cache=self.cache)[0]
+        else:
+            h = self._trunk.body(tokens[None], cache=self.cache)
+            self.hidden = h[0]
+            logits = self._trunk.head(h)[0]
         self.length += tokens.shape[0]
         return logits
 

@@ -16,20 +16,25 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..errors import DrafterError, UsageError
+from ..models.mtp.head import MTPHead
 from .cache import ModelState, model_nbytes
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
+from .drafters.mtp import MTPDrafter
 from .drafters.pld import PromptLookupDrafter, repetition_score
 from .gates import CostModel, ShadowDrafts, SpeculationGate
 from .sampling import SamplingParams, accept
 from .stats import Stats
 
-DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6}
+DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4}
 
 
-def make_drafter(name: str, target: nn.Module, draft_model: nn.Module | None) -> Drafter | None:
+def make_drafter(
+    name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None
+) -> Drafter | None:
+    """``auto``: a draft model if given, else the model's own MTP head, else prompt lookup."""
     if name == "auto":
-        name = "draft" if draft_model is not None else "pld"
+        name = "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
     if name == "none":
         return None
     if name == "pld":
@@ -38,6 +43,12 @@ def make_drafter(name: str, target: nn.Module, draft_model: nn.Module | None) ->
         if draft_model is None:
             raise UsageError("--drafter draft needs --draft-model")
         return DraftModelDrafter(draft_model, model_nbytes(target))
+    if name == "mtp":
+        if mtp_head is None:
+            raise DrafterError(
+                "this model has no MTP head; use --drafter pld, or --drafter draft with --draft-model"
+            )
+        return MTPDrafter(mtp_head, model_nbytes(target))
     raise UsageError(f"unknown drafter {name!r}")
 
 
@@ -49,6 +60,7 @@ class SpeculativeDecoder:
         model: nn.Module,
         *,
         draft_model: nn.Module | None = None,
+        mtp_head: MTPHead | None = None,
         drafter: str | Drafter = "auto",
         depth: int | None = None,
         max_depth: int | None = None,
@@ -56,7 +68,9 @@ class SpeculativeDecoder:
         cost: CostModel | None = None,
     ):
         self.model = model
-        self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(drafter, model, draft_model)
+        self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(
+            drafter, model, draft_model, mtp_head
+        )
         if depth is not None and not 1 <= depth <= 16:
             raise UsageError(f"depth must be between 1 and 16 (got {depth})")
         self.depth = depth
@@ -93,8 +107,9 @@ class _Run:
         self.max_tokens = max_tokens
         self.stop_tokens = stop_tokens
         self.tokens = prompt  # committed; the last one is not fed to the target yet
-        self.target = ModelState(dec.model)
         self.drafter = dec.drafter
+        self.hidden_to_drafter = self.drafter is not None and self.drafter.needs_hidden
+        self.target = ModelState(dec.model, keep_hidden=self.hidden_to_drafter)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.stats.drafter = self.drafter.name if self.drafter else "none"
         self.gate = self.shadow = None
@@ -104,6 +119,7 @@ class _Run:
             except DrafterError as err:
                 self.stats.record_gate(False, str(err))
                 self.drafter = None
+                self.hidden_to_drafter = False
         if self.drafter is not None:
             self.gate = SpeculationGate(
                 self.drafter, dec.max_depth, dec.cost, fixed_depth=dec.depth, enabled=dec.gates
@@ -146,9 +162,9 @@ class _Run:
 
     # -- the loop -------------------------------------------------------------------
     def loop(self):
-        self.target.prefill(self.tokens[:-1])
+        hidden = self.target.prefill(self.tokens[:-1])
         if self.drafter is not None:
-            self.drafter.start(self.tokens)
+            self.drafter.start(self.tokens, hidden)
             if not self.drafter.uses_model:
                 self.gate.prompt_check(repetition_score(self.tokens))
             self._sync_gate()
@@ -167,6 +183,11 @@ class _Run:
                 new, pending = self._plain_step(pending, remaining)
             yield self._emit(new), self.stats
 
+    def _pass_hidden(self, rows) -> None:
+        """Hand the drafter the hidden states of newly committed positions (MTP heads)."""
+        if self.hidden_to_drafter:
+            self.drafter.add_hidden(rows)
+
     def _stay_plain(self) -> bool:
         """Guess, before the in-flight token is known, whether the next step will be plain too."""
         if self.drafter is None or not self.gate.would_draft():
@@ -178,10 +199,12 @@ class _Run:
         if pending is None:
             y = mx.array(self.tokens[-1:], mx.uint32)
             pending = sample(self.target.forward(y, rollback=False)[-1:])
+            self._pass_hidden(self.target.hidden)
             mx.async_eval(pending)
         nxt = None
         if remaining > 1 and self._stay_plain():
             nxt = sample(self.target.forward(pending.astype(mx.uint32), rollback=False)[-1:])
+            self._pass_hidden(self.target.hidden)
             mx.async_eval(nxt)
         t = pending.item()
         self.tokens.append(t)
@@ -203,6 +226,7 @@ class _Run:
         mx.eval(n_acc, out, draft.tokens)
         n = n_acc.item()
         new = draft.tokens.tolist()[:n] + [out[n].item()]
+        self._pass_hidden(self.target.hidden[: n + 1] if self.hidden_to_drafter else None)
         self.target.rollback_to(start + 1 + n)
         self.target.commit()
         self.drafter.rollback(start + 1 + n)

@@ -31,9 +31,15 @@ class Drafter(ABC):
     cost_per_token: float = 0.0
     # Whether drafting needs a model forward (no free "shadow" checks while speculation is off).
     uses_model: bool = False
+    # Whether it drafts from the target's hidden states (MTP heads): then the engine passes
+    # them, one row per committed position, in order.
+    needs_hidden: bool = False
 
-    def start(self, prompt: list[int]) -> None:
-        """A new request with this prompt begins."""
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        """A new request with this prompt begins (``hidden``: the prompt's rows but the last)."""
+
+    def add_hidden(self, rows: mx.array) -> None:
+        """Hidden states of the next committed positions, in order."""
 
     @abstractmethod
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:

@@ -52,7 +52,7 @@ class DraftModelDrafter(Drafter):
         else:
             self.cost_per_token = 0.2
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], hidden=None) -> None:
         self.state = ModelState(self.model)
         self.state.prefill(prompt[:-1])
 

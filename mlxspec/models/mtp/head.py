@@ -1,0 +1,146 @@
+"""Native MTP heads as MLX modules, and the trunk split they need.
+
+Qwen3.5 / Qwen3.6 / Qwen3-Next: ``fc(cat[pre_fc_norm_embedding(embed(x_{t+1})),
+pre_fc_norm_hidden(h_t)])`` -> one full-attention decoder layer (its own KV cache) -> ``norm``
+-> the trunk's shared lm_head. ``h_t`` is the trunk's hidden state after its final norm; the
+head's own post-norm output is recycled as ``h`` for the next draft step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from ...errors import InvalidCheckpointError
+
+QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@dataclass
+class Trunk:
+    """A causal LM cut in two: body (tokens -> final-norm hidden) and head (hidden -> logits)."""
+
+    body: Callable
+    head: Callable
+    embed: nn.Module
+
+
+def split_trunk(model: nn.Module) -> Trunk:
+    lm = getattr(model, "language_model", model)  # qwen3_5 wraps a text model
+    body = getattr(lm, "model", None)
+    args = getattr(lm, "args", None)
+    if body is None or not hasattr(body, "embed_tokens"):
+        raise InvalidCheckpointError(f"cannot find the trunk of a {type(model).__module__} model")
+    if getattr(args, "tie_word_embeddings", False) or not hasattr(lm, "lm_head"):
+        head = body.embed_tokens.as_linear
+    else:
+        head = lm.lm_head
+    return Trunk(body=body, head=head, embed=body.embed_tokens)
+
+
+def _text_args(model: nn.Module):
+    lm = getattr(model, "language_model", model)
+    return lm.args
+
+
+class QwenMTPHead(nn.Module):
+    """The Qwen3.5/3.6/Qwen3-Next MTP block (dense or MoE MLP, like the trunk's)."""
+
+    def __init__(self, args, num_layers: int):
+        super().__init__()
+        from mlx_lm.models.qwen3_5 import DecoderLayer
+
+        h = args.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        # layer_idx chosen so mlx-lm builds a full-attention layer (MTP is never linear)
+        full_idx = args.full_attention_interval - 1
+        self.layers = [DecoderLayer(args, layer_idx=full_idx) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache: list, step: int = 0) -> mx.array:
+        """embeds, hidden: (1, n, H) -> the head's post-norm hidden (1, n, H)."""
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        i = step % len(self.layers)
+        mask = create_attention_mask(x, cache[i])
+        x = self.layers[i](x, mask=mask, cache=cache[i])
+        return self.norm(x)
+
+
+class MTPHead:
+    """A loaded head bound to its trunk: what the MTP drafter drives."""
+
+    def __init__(self, module: QwenMTPHead, trunk: Trunk, nbytes: int, source: str):
+        self.module = module
+        self.trunk = trunk
+        self.nbytes = nbytes
+        self.source = source
+
+    def make_cache(self):
+        return self.module.make_cache()
+
+    def step(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> tuple[mx.array, mx.array]:
+        """Pairs (h_t, x_{t+1}): tokens (n,), hidden (n, H) -> (logits (n, V), head hidden (n, H))."""
+        out = self.module(self.trunk.embed(tokens)[None], hidden[None], cache, step)[0]
+        return self.trunk.head(out), out
+
+
+def _moe_fused_to_switch(tensors: dict) -> dict:
+    """HF fused expert tensors -> mlx-lm's switch_mlp layout (as mlx-lm's sanitize does)."""
+    out = dict(tensors)
+    for key in [k for k in tensors if k.endswith("mlp.experts.gate_up_proj")]:
+        prefix = key[: -len("experts.gate_up_proj")]
+        gate_up = out.pop(key)
+        mid = gate_up.shape[-2] // 2
+        out[prefix + "switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[prefix + "switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[prefix + "switch_mlp.down_proj.weight"] = out.pop(prefix + "experts.down_proj")
+    return out
+
+
+def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
+    """The checkpoint's MTP head bound to ``model``'s trunk, or None when it ships none."""
+    from .weights import find_mtp_weights
+
+    weights = find_mtp_weights(Path(path), config)
+    if weights is None:
+        return None
+    if weights.family != "qwen3_5":
+        raise InvalidCheckpointError(
+            f"MTP heads of the {weights.family} family are not supported yet ({weights.source})"
+        )
+    args = _text_args(model)
+    module = QwenMTPHead(args, weights.num_layers)
+    tensors = {k[len("mtp."):]: v for k, v in weights.tensors.items()}
+    tensors = _moe_fused_to_switch(tensors)
+    if weights.quantization:
+        q = weights.quantization
+        nn.quantize(
+            module,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in tensors,
+        )
+    try:
+        module.load_weights(list(tensors.items()), strict=True)
+    except ValueError as err:
+        msg = " ".join(str(err).split())[:200]
+        raise InvalidCheckpointError(f"MTP head in {weights.source} does not fit the model: {msg}")
+    module.eval()
+    mx.eval(module.parameters())
+    nbytes = sum(v.nbytes for v in weights.tensors.values())
+    return MTPHead(module, split_trunk(model), nbytes, weights.source)
