@@ -124,24 +124,39 @@ def test_sliding_window_rollback_matches_sequential(models):
     assert mx.allclose(a, b, atol=1e-4).item()
 
 
-def test_hybrid_rollback_restores_recurrent_state(models):
+def test_hybrid_rollback_restores_recurrent_state(models, monkeypatch):
+    """A partial accept replays the taped GatedDeltaNet steps (no model re-forward) and leaves
+    the conv and recurrent states bit for bit where a forward of the accepted tokens leaves them."""
+    from mlxspec.models import gdn_tape
+
     model, tok = models["qwen3_5"]
+    replays = []
+    original = gdn_tape.TapedGatedDeltaNet.replay
+    monkeypatch.setattr(gdn_tape.TapedGatedDeltaNet, "replay",
+                        lambda self, *a: replays.append(a[-1]) or original(self, *a))
     prompt = tok.encode(PROMPTS[0])
-    seq, spec = ModelState(model), ModelState(model)
-    for st in (seq, spec):
+    spec, seq, chunk = ModelState(model), ModelState(model), ModelState(model)
+    for st in (spec, seq, chunk):
         st.prefill(prompt)
+    forwards = []
+    spec_model_call = spec.model
+    spec.model = lambda *a, **k: forwards.append(1) or spec_model_call(*a, **k)
     spec.forward(mx.array([11, 12, 13, 14], mx.uint32))
     spec.rollback_to(len(prompt) + 2)
-    seq.forward(mx.array([11, 12], mx.uint32), rollback=False)
-    assert spec.length == seq.length
-    recurrent = [(c1, c2) for c1, c2 in zip(spec.cache, seq.cache) if isinstance(c1, ArraysCache)]
+    assert len(forwards) == 1 and replays == [2, 2]  # two linear layers replayed 2 steps each
+    for t in (11, 12):
+        seq.forward(mx.array([t], mx.uint32), rollback=False)
+    chunk.forward(mx.array([11, 12], mx.uint32), rollback=False)
+    assert spec.length == seq.length == chunk.length
+    recurrent = [i for i, c in enumerate(spec.cache) if isinstance(c, ArraysCache)]
     assert recurrent
-    for c1, c2 in recurrent:
-        for x, y in zip(c1.cache, c2.cache):  # conv state, recurrent state
-            assert mx.allclose(x, y, atol=1e-5).item()
+    for i in recurrent:
+        for x, y, z in zip(spec.cache[i].cache, seq.cache[i].cache, chunk.cache[i].cache):
+            assert mx.array_equal(x, z).item()  # same kernels: bit for bit
+            assert mx.allclose(x, y, atol=1e-5).item()  # sequential decoding
     probe = mx.array([9], mx.uint32)
+    spec.model = spec_model_call
     assert mx.allclose(spec.forward(probe, rollback=False), seq.forward(probe, rollback=False), atol=1e-4).item()
-
 
 def test_sliding_window_draft_model_is_exact(models):
     """A draft model whose window wraps during 1-token draft steps cannot rewind in place:

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import DrafterError
+from ..models.gdn_tape import tape_layers
 from ..models.mtp.head import split_trunk
 
 
@@ -57,6 +58,7 @@ class _Segment:
     tokens: mx.array  # what was fed
     arrays: list | None  # ArraysCache contents before this forward
     rings: dict | None  # rotating caches a 1-token write may overwrite: index -> saved state
+    tapes: list | None = None  # GatedDeltaNet recurrence inputs of this forward (replayable)
 
     @property
     def end(self) -> int:
@@ -96,6 +98,9 @@ class ModelState:
         self.rollback_error = (
             f"cannot roll back cache type(s) {sorted(set(unsupported))}" if unsupported else None
         )
+        # Qwen3.5-style GatedDeltaNet layers record their recurrence inputs during a verify, so
+        # a partial accept replays m recurrence steps instead of re-running the model.
+        self._taped = tape_layers(model, self.cache) if self._arrays else None
         self.length = 0
         self._segments: list[_Segment] = []
 
@@ -136,13 +141,21 @@ class ModelState:
                 for i, c in enumerate(self._rotating)
                 if n == 1 and c.keys is not None and c.offset + 1 >= c.max_size
             }
-            self._segments.append(_Segment(self.length, tokens, arrays, rings or None))
+            seg = _Segment(self.length, tokens, arrays, rings or None)
+            self._segments.append(seg)
+        taping = rollback and self._taped is not None and tokens.shape[0] > 1
+        for c in self._arrays if taping else ():
+            c.record_tape = True
         if self._trunk is None:
             logits = self.model(tokens[None], cache=self.cache)[0]
         else:
             h = self._trunk.body(tokens[None], cache=self.cache)
             self.hidden = h[0]
             logits = self._trunk.head(h)[0]
+        if taping:
+            seg.tapes = [c.tape for c in self._arrays]
+            for c in self._arrays:
+                c.record_tape, c.tape = False, None
         self.length += tokens.shape[0]
         return logits
 
@@ -159,6 +172,17 @@ class ModelState:
             return
         if not self._arrays and not any(seg.rings for seg in undone):
             self._trim_all(self.length - length)
+            return
+        if len(undone) == 1 and undone[0].tapes is not None and not undone[0].rings:
+            seg = undone[0]
+            m = length - seg.start
+            for gdn, c, before, tape in zip(self._taped, self._arrays, seg.arrays, seg.tapes):
+                c.cache = list(gdn.replay(tape, before[1], m))
+            for c in self._trimmable:
+                c.trim(self.length - length)
+            for c in self._rotating:
+                _trim_rotating(c, self.length - length)
+            self.length = length
             return
         # Restore the state from before the segment holding position `length`, then re-feed
         # the part of that segment that is kept.

@@ -1,0 +1,102 @@
+"""Tape replay for GatedDeltaNet rollback (Qwen3.5 / Qwen3.6 hybrids).
+
+A verify forward over S tokens records, per linear-attention layer, what it fed the
+recurrence: the conv input (state rows + new rows) and the post-conv q, k, v with the gate
+inputs a, b. When only m of the S tokens are accepted, the conv state is a slice of the conv
+input and the recurrent state is m steps of mlx-lm's own ``gated_delta_update`` from the
+snapshot taken before the verify: the same arithmetic as the verify's own first m steps, with
+no projection weights read again (a full re-forward reads the whole model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+
+@dataclass
+class Tape:
+    conv_input: mx.array  # (B, K-1+S, C): conv state rows, then the S new rows
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    a: mx.array
+    b: mx.array
+
+
+class TapedGatedDeltaNet(GatedDeltaNet):
+    """mlx-lm's GatedDeltaNet, recording a :class:`Tape` on its cache when asked to.
+
+    Without ``cache.record_tape`` it is mlx-lm's layer unchanged. With it, the forward below
+    performs the same operations as ``GatedDeltaNet.__call__`` for one unpadded sequence and
+    keeps the recurrence inputs.
+    """
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        taping = getattr(cache, "record_tape", False)
+        if not taping or mask is not None or self.sharding_group is not None:
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(inputs)
+        a = self.in_proj_a(inputs)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
+        conv_out = nn.silu(self.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        out, state = gated_delta_update(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache[1], None, use_kernel=not self.training
+        )
+        cache.tape = Tape(conv_input, q, k, v, a, b)
+        cache[1] = state
+        cache.advance(S)
+        out = self.norm(out, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+    def replay(self, tape: Tape, state_before, m: int) -> tuple[mx.array, mx.array]:
+        """(conv state, recurrent state) after the first m of the taped tokens."""
+        conv = mx.contiguous(tape.conv_input[:, m : m + self.conv_kernel_size - 1, :])
+        if m == 0:
+            return conv, state_before
+        _, state = gated_delta_update(
+            tape.q[:, :m], tape.k[:, :m], tape.v[:, :m], tape.a[:, :m], tape.b[:, :m],
+            self.A_log, self.dt_bias, state_before, None, use_kernel=not self.training,
+        )
+        return conv, state
+
+
+def tape_layers(model: nn.Module, cache: list) -> list[TapedGatedDeltaNet] | None:
+    """Enable taping on every linear-attention layer, paired with its cache entry, or None
+    when some recurrent cache belongs to a layer this module cannot tape."""
+    layers = getattr(model, "layers", None)
+    if layers is None or len(layers) != len(cache):
+        return None
+    taped = []
+    for layer, c in zip(layers, cache):
+        gdn = getattr(layer, "linear_attn", None)
+        if gdn is None:
+            if hasattr(c, "cache"):  # a recurrent cache on a layer we do not know
+                return None
+            continue
+        if type(gdn) is GatedDeltaNet:
+            gdn.__class__ = TapedGatedDeltaNet  # same module, same weights, tape on demand
+        if not isinstance(gdn, TapedGatedDeltaNet):
+            return None
+        taped.append(gdn)
+    return taped
