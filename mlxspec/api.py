@@ -13,10 +13,10 @@ from typing import Iterator, Sequence
 from .engine.sampling import SamplingParams
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
-from .errors import UsageError
+from .errors import DrafterError, UsageError
 from .models.loader import LoadedModel, load_model
 
-DRAFTERS = ("auto", "pld", "draft", "none")
+DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
 
 
 @dataclass
@@ -47,6 +47,20 @@ class SpecModel:
         self.target = target
         self.draft = draft
         self.tokenizer = target.tokenizer
+        self._mtp: tuple | None = None  # (head or None, why not) once looked for
+
+    def mtp_head(self):
+        """The checkpoint's native MTP head (read on first use), or None; and why not."""
+        if self._mtp is None:
+            from .errors import MlxspecError
+            from .models.mtp.head import load_mtp_head
+
+            try:
+                head = load_mtp_head(self.target.model, self.target.path, self.target.config)
+                self._mtp = (head, None if head else "the checkpoint has no MTP head")
+            except MlxspecError as err:
+                self._mtp = (None, str(err))
+        return self._mtp
 
     @property
     def name(self) -> str:
@@ -109,9 +123,15 @@ class SpecModel:
         if not prompt_ids:
             raise UsageError("the prompt is empty")
 
+        head, why_not = self.mtp_head() if drafter in ("auto", "mtp") else (None, None)
+        if drafter == "mtp" and head is None:
+            raise DrafterError(
+                f"--drafter mtp: {why_not}; use --drafter pld, or --drafter draft with --draft-model"
+            )
         decoder = SpeculativeDecoder(
             self.target.model,
             draft_model=self.draft.model if self.draft else None,
+            mtp_head=head,
             drafter=drafter,
             depth=depth,
         )

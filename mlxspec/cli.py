@@ -14,7 +14,7 @@ from . import __version__
 from .config import user_config_path
 from .errors import MlxspecError, UsageError
 
-DRAFTERS = ("auto", "pld", "draft", "none")  # mirrors mlxspec.api.DRAFTERS, without importing mlx
+DRAFTERS = ("auto", "pld", "draft", "mtp", "none")  # mirrors mlxspec.api.DRAFTERS, without importing mlx
 MAX_DEPTH = 16
 DEBUG_ENV = "MLXSPEC_DEBUG"
 
@@ -262,8 +262,10 @@ def run(
         metavar="PROMPT", show_default=False,
         help="The prompt. Omit it to read stdin, or to chat on a terminal.")] = None,
     drafter: Annotated[str, typer.Option(
-        help="How drafts are made: auto (best available), pld (prompt lookup), draft (a draft "
-             "model, needs --draft-model) or none (plain decoding).")] = "auto",
+        help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
+             "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
+             "--draft-model), mtp (the model's native multi-token-prediction head) or none "
+             "(plain decoding).")] = "auto",
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="PATH_OR_REPO",
         help="Small model sharing MODEL's tokenizer, used to draft tokens.")] = None,

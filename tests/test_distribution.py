@@ -13,38 +13,16 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
-from scipy.stats import chisquare
 
 from mlxspec.engine import speculate as speculate_mod
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept_sampled
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.models import tiny
+from stats_helpers import chi_square_p, exact_joint
 
 ALPHA = 1e-3  # false-alarm rate of each chi-square test
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, top_k=6, min_p=0.02)
-
-
-def chi_square_p(counts: Counter, probs: dict, n: int) -> float:
-    """Goodness of fit, pooling cells whose expected count is under 5."""
-    keys = sorted(probs, key=lambda k: -probs[k])
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for k in keys:
-        e = probs[k] * n
-        if e >= 5:
-            obs.append(counts.get(k, 0))
-            exp.append(e)
-        else:
-            pool_o += counts.get(k, 0)
-            pool_e += e
-    unexpected = sum(v for k, v in counts.items() if k not in probs or probs[k] == 0)
-    if unexpected:
-        return 0.0  # a sample the distribution gives zero probability
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    exp = np.array(exp) * (sum(obs) / sum(exp))
-    return float(chisquare(obs, exp).pvalue)
 
 
 # -- the acceptance rule on fixed distributions ------------------------------------------
@@ -107,21 +85,6 @@ def vocab8(tiny_vocab8, tmp_path_factory):
     return target, mlx_lm.load(str(other))[0]
 
 
-def exact_joint(model, prompt, length):
-    """P(next `length` tokens) under plain sampling, by enumerating every prefix."""
-    probs = {(): 1.0}
-    for _ in range(length):
-        nxt = {}
-        for seq, pr in probs.items():
-            logits = model(mx.array(prompt + list(seq))[None])[0, -1:]
-            p = np.exp(np.array(PARAMS.logprobs(logits)[0], dtype=np.float64))
-            for tok, pt in enumerate(p):
-                if pt > 0:
-                    nxt[seq + (tok,)] = pr * pt
-        probs = nxt
-    return probs
-
-
 def sample_engine(model, n, **kw):
     dec = SpeculativeDecoder(model, gates=False, **kw)
     counts, drafted = Counter(), 0
@@ -137,7 +100,7 @@ def sample_engine(model, n, **kw):
 @pytest.mark.slow
 def test_engine_distribution_is_exact(vocab8):
     target, draft = vocab8
-    probs = exact_joint(target, PROMPT, LENGTH)
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
     assert sum(p > 0.02 for p in probs.values()) >= 6  # a broad distribution, not one-hot
     n = 1500
     mx.random.seed(0)
@@ -159,7 +122,7 @@ def test_engine_distribution_is_exact(vocab8):
 def test_engine_catches_biased_acceptance(vocab8, monkeypatch):
     """The same test fails when drafts are always accepted: it can tell."""
     target, draft = vocab8
-    probs = exact_joint(target, PROMPT, LENGTH)
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
 
     def accept_everything(params, target_lp, draft_tokens, draft_lp=None):
         k = draft_tokens.shape[0]

@@ -1,0 +1,124 @@
+"""Native MTP drafting: the head loads from real layouts, drafts, and the output stays exact."""
+
+import shutil
+from collections import Counter
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlxspec
+from mlxspec.engine.sampling import SamplingParams
+from mlxspec.engine.speculate import SpeculativeDecoder
+from mlxspec.errors import DrafterError
+from mlxspec.models import tiny
+from mlxspec.models.mtp.head import load_mtp_head
+from stats_helpers import chi_square_p, exact_joint
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef"
+N = 40
+
+
+def _load_with_head(path):
+    model, tok, config = mlx_lm.load(str(path), return_config=True)
+    return model, tok, load_mtp_head(model, path, config)
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_qwen3_5):
+    return _load_with_head(tiny_qwen3_5)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, shared_tokenizer):
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("q35moe"), "qwen3_5_moe",
+                                 tokenizer=shared_tokenizer, seed=7)
+    return _load_with_head(path)
+
+
+def greedy(model, prompt, n=N):
+    return [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))]
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_mtp_drafting_is_exact(request, which):
+    model, tok, head = request.getfixturevalue(which)
+    assert head is not None
+    prompt = tok.encode(PROMPT)
+    ref = greedy(model, prompt)
+    for depth in (1, 2, 3, 4):
+        dec = SpeculativeDecoder(model, mtp_head=head, drafter="mtp", depth=depth, gates=False)
+        out, stats = [], None
+        for toks, stats in dec.generate(prompt, max_tokens=N):
+            out.extend(toks)
+        assert out == ref, f"{which} depth {depth}"
+        assert stats.drafter == "mtp" and stats.drafted >= depth * 10
+
+
+def test_head_is_the_same_in_every_layout(tiny_qwen3_5, dense, tmp_path):
+    """Raw zero-centred norms (+1 on load) and an MLX-converted sidecar give the same head."""
+    model, tok, head = dense
+    converted = tmp_path / "converted"
+    shutil.copytree(tiny_qwen3_5, converted)
+    tiny.convert_trunk_mlx(converted, "mtp.safetensors", shift_head_norms=True)
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_qwen3_5, sharded)
+    tiny.relayout_mtp(sharded, "sharded", prefix="model.language_model.mtp.")
+    hidden = mx.random.normal((5, model.args.text_config["hidden_size"]), key=mx.random.key(0))
+    tokens = mx.array([3, 4, 5, 6, 7], mx.uint32)
+    want, _ = head.step(tokens, hidden, head.make_cache())
+    for path in (converted, sharded):
+        m2, _, cfg = mlx_lm.load(str(path), return_config=True)
+        other = load_mtp_head(model, path, cfg)
+        got, _ = other.step(tokens, hidden, other.make_cache())
+        assert mx.allclose(got, want, atol=1e-5).item(), path.name
+    # the zero-centred fix matters: norms left at their raw values change the head's output
+    raw = {k: v for k, v in mx.load(str(tiny_qwen3_5 / "model.safetensors")).items() if k.startswith("mtp.")}
+    head.module.load_weights([(k[4:], v) for k, v in raw.items() if k.endswith("norm.weight")], strict=False)
+    try:
+        wrong, _ = head.step(tokens, hidden, head.make_cache())
+        assert not mx.allclose(wrong, want, atol=1e-2).item()
+    finally:
+        head.module.load_weights([(k[4:], v + 1.0) for k, v in raw.items() if k.endswith("norm.weight")],
+                                 strict=False)
+
+
+def test_quantized_head_drafts_exactly(tiny_qwen3_5, tmp_path):
+    path = tmp_path / "q4"
+    shutil.copytree(tiny_qwen3_5, path)
+    tiny.quantize_mtp(path, bits=4, group_size=32)
+    model, tok, head = _load_with_head(path)
+    assert head is not None
+    prompt = tok.encode(PROMPT)
+    dec = SpeculativeDecoder(model, mtp_head=head, drafter="mtp", depth=2, gates=False)
+    assert [t for toks, _ in dec.generate(prompt, max_tokens=N) for t in toks] == greedy(model, prompt)
+
+
+def test_mtp_distribution_is_exact(tmp_path_factory):
+    """Temperature > 0 with the MTP drafter samples exactly plain sampling's distribution."""
+    path = tiny.write_checkpoint(tmp_path_factory.mktemp("q35v8"), "qwen3_5", vocab_size=8, seed=3)
+    model, _, head = _load_with_head(path)
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    prompt = [2, 3, 4, 2, 3]
+    probs = exact_joint(model, prompt, 2, params)
+    assert sum(p > 0.02 for p in probs.values()) >= 6
+    dec = SpeculativeDecoder(model, mtp_head=head, drafter="mtp", depth=1, gates=False)
+    n, counts, drafted = 1200, Counter(), 0
+    for i in range(n):
+        out = []
+        for toks, stats in dec.generate(prompt, sampling=params, max_tokens=2, seed=i):
+            out.extend(toks)
+        counts[tuple(out)] += 1
+        drafted += stats.drafted
+    assert drafted == n
+    assert chi_square_p(counts, probs, n) > 1e-3
+
+
+def test_mtp_drafter_choice(tiny_qwen3_5, tiny_qwen3):
+    with_head = mlxspec.load(str(tiny_qwen3_5))
+    assert with_head.generate("hi", max_tokens=4).stats.drafter == "mtp"  # auto prefers the head
+    without = mlxspec.load(str(tiny_qwen3))
+    assert without.generate("hi", max_tokens=4).stats.drafter == "pld"  # auto falls back
+    with pytest.raises(DrafterError, match="no MTP head"):
+        without.generate("hi", max_tokens=4, drafter="mtp")
