@@ -48,7 +48,15 @@ class SpecModel:
         self.draft = draft
         self.tokenizer = target.tokenizer
         self._mtp: tuple | None = None  # (head or None, why not) once looked for
+        self._cost = None  # this machine's verify-cost curve, measured on first use
 
+    def verify_cost(self):
+        """Measured cost of verifying 1..16 tokens with this model (once per load)."""
+        if self._cost is None:
+            from .engine.costs import measure_verify_cost
+
+            self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size)
+        return self._cost
     def mtp_head(self):
         """The checkpoint's native MTP head (read on first use), or None; and why not."""
         if self._mtp is None:
@@ -128,12 +136,16 @@ class SpecModel:
             raise DrafterError(
                 f"--drafter mtp: {why_not}; use --drafter pld, or --drafter draft with --draft-model"
             )
+        # Depth follows this machine's measured verify cost, except in seeded runs, whose
+        # decisions must not depend on timings (they would not repeat).
+        cost = self.verify_cost() if drafter != "none" and seed is None else None
         decoder = SpeculativeDecoder(
             self.target.model,
             draft_model=self.draft.model if self.draft else None,
             mtp_head=head,
             drafter=drafter,
             depth=depth,
+            cost=cost,
         )
         detok = self.tokenizer.detokenizer
         detok.reset()

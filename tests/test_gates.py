@@ -166,3 +166,26 @@ def test_lookup_prefers_longest_then_most_recent():
     run = [5, 1, 2, 1, 2]
     d.start(run)
     assert d.lookup(run, 5) == [1, 2, 1, 2, 1]  # a periodic tail proposes a full-length draft
+
+
+def test_cost_curve_interpolates_measured_widths():
+    cost = CostModel(slope=0.5, curve={1: 1.0, 4: 2.5, 8: 1.9})
+    assert cost.verify(4) == 2.5
+    assert cost.verify(6) == pytest.approx(2.5 + (1.9 - 2.5) * 2 / 4)
+    assert cost.verify(10) == pytest.approx(1.9 + 0.5 * 2)
+    # a cheap 8-wide verify makes 7 drafts better than 5 at equal acceptance
+    gate = SpeculationGate(_FakeDrafter(), max_depth=8, cost=CostModel(curve={1: 1.0, 6: 3.1, 8: 1.8}))
+    for _ in range(40):
+        gate.observe(8, 8)
+    assert gate.depth() == 7
+
+
+def test_measured_cost_only_without_seed(tiny_qwen3):
+    import mlxspec
+    from mlxspec.engine.costs import measure_verify_cost
+
+    curve = measure_verify_cost(mlx_lm.load(str(tiny_qwen3))[0], widths=(1, 2, 4), reps=1)
+    assert curve.measured and set(curve.curve) == {1, 2, 4} and curve.curve[1] == 1.0
+    m = mlxspec.load(str(tiny_qwen3))
+    assert m.generate("hi", max_tokens=3, temperature=0.5, seed=1).stats.cost_model == "default"
+    assert m.generate("hi", max_tokens=3).stats.cost_model == "measured"

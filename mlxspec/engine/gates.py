@@ -23,11 +23,20 @@ class CostModel:
     """Cost of a target forward over n tokens, in units of a 1-token forward."""
 
     slope: float = 0.1  # extra cost per extra token where no measured curve exists
-    curve: dict[int, float] = field(default_factory=dict)  # measured, e.g. by `mlxspec tune`
+    curve: dict[int, float] = field(default_factory=dict)  # measured (engine/costs.py, tune)
+    measured: bool = False
 
     def verify(self, n: int) -> float:
         if n in self.curve:
             return self.curve[n]
+        below = [w for w in self.curve if w < n]
+        above = [w for w in self.curve if w > n]
+        if below and above:  # interpolate between measured widths
+            lo, hi = max(below), min(above)
+            return self.curve[lo] + (self.curve[hi] - self.curve[lo]) * (n - lo) / (hi - lo)
+        if below:  # past the last measured width: extend at the default slope
+            lo = max(below)
+            return self.curve[lo] + self.slope * (n - lo)
         return 1.0 + self.slope * (n - 1)
 
     @classmethod

@@ -125,6 +125,7 @@ class _Run:
                 self.drafter, dec.max_depth, dec.cost, fixed_depth=dec.depth, enabled=dec.gates
             )
             self.stats.depth = self.gate.max_depth
+            self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
             if not self.drafter.uses_model:
                 self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
         self.emitted = 0

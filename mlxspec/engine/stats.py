@@ -23,6 +23,7 @@ class GateEvent:
 class Stats:
     drafter: str = "none"
     depth: int = 0
+    cost_model: str = "default"  # verify-cost curve the depth choice used: default or measured
     prompt_tokens: int = 0
     generated_tokens: int = 0
     drafted: int = 0
@@ -95,6 +96,7 @@ class Stats:
         return {
             "drafter": self.drafter,
             "depth": self.depth,
+            "cost_model": self.cost_model,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "drafted": self.drafted,
