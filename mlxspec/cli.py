@@ -324,6 +324,65 @@ def run(
                 raise typer.Exit(130)
 
 
+# -- the convert command -----------------------------------------------------
+
+CONVERT_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Convert the Hugging Face checkpoint HF_PATH to MLX in OUT, keeping its MTP head.
+
+The trunk goes through mlx-lm's own converter (same weights, config and tokenizer files as
+`mlx_lm.convert`); the multi-token-prediction head that converter drops is written next to it
+as OUT/mtp.safetensors, which `mlxspec run OUT --drafter mtp` uses. HF_PATH is a local folder
+or a repo id already in the local Hugging Face cache (nothing is downloaded). A checkpoint
+without a head is converted all the same.
+""".strip().split("\n\n"))
+
+
+@app.command(help=CONVERT_HELP)
+def convert(
+    hf_path: Annotated[str, typer.Argument(
+        metavar="HF_PATH", show_default=False,
+        help="Hugging Face checkpoint: a local folder or a cached repo id.")],
+    out: Annotated[str, typer.Argument(
+        metavar="OUT", show_default=False, help="Folder to write the MLX checkpoint to.")],
+    q_bits: Annotated[Optional[int], typer.Option(
+        "--q-bits", help="Quantize the trunk to this many bits (4 or 8; also 2, 3, 5, 6). "
+                         "Default: no quantization.", show_default=False)] = None,
+    q_group_size: Annotated[int, typer.Option(
+        "--q-group-size", help="Quantization group size: 32, 64 or 128.")] = 64,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="bfloat16, float16 or float32 for the unquantized tensors "
+                        "(default: the checkpoint's own dtype, as mlx-lm picks it).",
+        show_default=False)] = None,
+    mtp_bits: Annotated[Optional[int], typer.Option(
+        "--mtp-bits", help="Bits for the MTP head's linear weights (default: as --q-bits); "
+                           "0 keeps the head unquantized.", show_default=False)] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace OUT if it exists and is not empty.")] = False,
+) -> None:
+    with _user_errors():
+        from .models.convert import convert_checkpoint, human_size
+
+        console = _stderr_console()
+        status = console.status("starting…", spinner="dots") if console.is_terminal else None
+        with status if status else contextlib.nullcontext():
+            result = convert_checkpoint(
+                hf_path, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype,
+                mtp_bits=mtp_bits, force=force,
+                on_step=(lambda message: status.update(message + "…")) if status else None)
+        for note in result.notes:
+            _note(note)
+        trunk = f"{result.q_bits}-bit (group {result.q_group_size})" if result.q_bits else (result.dtype or "unquantized")
+        if result.head_kept:
+            layers = f"{result.head_layers} layer{'s' * (result.head_layers != 1)}"
+            bits = (f"{result.head_bits}-bit" if result.head_bits else
+                    "as stored" if result.head_family == "nextn" else "unquantized")
+            head = f"MTP head kept ({layers}, {result.head_tensors} tensors, {bits}, mtp.safetensors)"
+        else:
+            head = "no MTP head"
+        sys.stdout.write(f"converted to {result.out} ({human_size(result.size_bytes)}, {trunk}); {head}\n")
+        sys.stdout.flush()
+
+
 def main() -> None:
     """Console-script entry point: no tracebacks for anything the user can fix."""
     try:
