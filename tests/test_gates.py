@@ -174,7 +174,7 @@ def test_cost_curve_interpolates_measured_widths():
     assert cost.verify(6) == pytest.approx(2.5 + (1.9 - 2.5) * 2 / 4)
     assert cost.verify(10) == pytest.approx(1.9 + 0.5 * 2)
     # a cheap 8-wide verify makes 7 drafts better than 5 at equal acceptance
-    gate = SpeculationGate(_FakeDrafter(), max_depth=8, cost=CostModel(curve={1: 1.0, 6: 3.1, 8: 1.8}))
+    gate = SpeculationGate(_FakeDrafter(), max_depth=7, cost=CostModel(curve={1: 1.0, 6: 3.1, 8: 1.8}))
     for _ in range(40):
         gate.observe(8, 8)
     assert gate.depth() == 7
