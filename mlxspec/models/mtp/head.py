@@ -118,6 +118,10 @@ def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
     weights = find_mtp_weights(Path(path), config)
     if weights is None:
         return None
+    if weights.family == "nextn":
+        from .nextn import load_nextn_head
+
+        return load_nextn_head(model, weights)
     if weights.family != "qwen3_5":
         raise InvalidCheckpointError(
             f"MTP heads of the {weights.family} family are not supported yet ({weights.source})"

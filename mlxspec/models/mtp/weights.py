@@ -333,7 +333,7 @@ def _validate_nextn(c: _Checker, cfg: dict, model_type: str, num_layers: int) ->
                      "input_layernorm.weight", "post_attention_layernorm.weight"):
             c.tensor(p + name, (h,))
         # both are copies of the trunk's; some exports leave them out
-        c.tensor(p + "embed_tokens.weight", (vocab, h) if vocab else None, required=False)
+        c.linear(p + "embed_tokens.weight", (vocab, h) if vocab else None, required=False)
         c.linear(p + "shared_head.head.weight", (vocab, h) if vocab else None, required=False)
         a = p + "self_attn."
         if model_type == "deepseek_v3":
