@@ -14,6 +14,13 @@ from ..sampling import SamplingParams
 from .base import Draft, Drafter
 
 
+def _nbytes(module) -> int:
+    from mlx.utils import tree_flatten
+
+    params = module.parameters() if hasattr(module, "parameters") else {}
+    return sum(v.nbytes for _, v in tree_flatten(params))
+
+
 class MTPDrafter(Drafter):
     name = "mtp"
     uses_model = True
@@ -21,10 +28,10 @@ class MTPDrafter(Drafter):
 
     def __init__(self, head: MTPHead, target_nbytes: int | None = None):
         self.head = head
-        # One draft step runs the head's block and the shared lm_head.
-        lm_head = getattr(head.trunk.head, "__self__", head.trunk.head)
-        lm_bytes = sum(v.nbytes for v in getattr(lm_head, "parameters", dict)().values()
-                       if hasattr(v, "nbytes"))
+        # One draft step runs the head's block and an lm_head: the trunk's, unless the head
+        # ships its own (NextN shared_head.head, already counted in head.nbytes).
+        shared = getattr(getattr(head.module, "shared_head", None), "head", None) is None
+        lm_bytes = _nbytes(getattr(head.trunk.head, "__self__", head.trunk.head)) if shared else 0
         if target_nbytes:
             self.cost_per_token = 0.05 + (head.nbytes + lm_bytes) / target_nbytes
         else:
