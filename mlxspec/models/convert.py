@@ -170,30 +170,6 @@ def _unpack(tensors: dict, quant: dict, keep: tuple | None) -> tuple[dict, set]:
     return out, kept
 
 
-def _to_switch_mlp(tensors: dict) -> dict:
-    """Routed experts, HF fused (``experts.gate_up_proj``) or per-expert (``experts.{e}.*``),
-    -> mlx-lm's stacked ``switch_mlp.{gate,up,down}_proj.weight`` (as its sanitize does)."""
-    import mlx.core as mx
-
-    out = dict(tensors)
-    for key in [k for k in tensors if k.endswith("mlp.experts.gate_up_proj")]:
-        p = key[: -len("experts.gate_up_proj")]
-        gate_up = out.pop(key)
-        mid = gate_up.shape[-2] // 2
-        out[p + "switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
-        out[p + "switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
-        out[p + "switch_mlp.down_proj.weight"] = out.pop(p + "experts.down_proj")
-    per_expert = re.compile(r"^(.*mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-    groups: dict[tuple[str, str], dict[int, str]] = {}
-    for key in tensors:
-        m = per_expert.match(key)
-        if m:
-            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = key
-    for (p, proj), keys in groups.items():
-        out[f"{p}switch_mlp.{proj}.weight"] = mx.stack([out.pop(keys[e]) for e in sorted(keys)])
-    return out
-
-
 def _quantizable(name: str, value, group_size: int) -> bool:
     """mlx-lm's rule (a Linear / SwitchLinear / Embedding weight whose input width the group size
     divides), less the routers kept exact."""
@@ -206,10 +182,12 @@ def _quantizable(name: str, value, group_size: int) -> bool:
 def _qwen_head_tensors(weights, dtype: str | None, bits: int | None, group_size: int) -> dict:
     import mlx.core as mx
 
+    from .mtp.head import to_switch_mlp
+
     tensors, kept = dict(weights.tensors), set()
     if weights.quantization:
         tensors, kept = _unpack(tensors, weights.quantization, (bits, group_size) if bits else None)
-    tensors = _to_switch_mlp(tensors)
+    tensors = to_switch_mlp(tensors)
     if dtype is not None:
         target = getattr(mx, dtype)
         tensors = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in tensors.items()}

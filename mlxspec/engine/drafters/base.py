@@ -51,3 +51,17 @@ class Drafter(ABC):
 
     def rollback(self, committed: int) -> None:
         """``tokens[:committed]`` are final; forget anything drafted past them."""
+
+
+def sample_chain(logits: mx.array, k: int, sampling: SamplingParams, step) -> Draft:
+    """Draw k tokens one after another: each is fed back through ``step(i, token)``, which
+    returns the logits for draft position i. Keeps q (the processed rows) at temperature > 0."""
+    drafted, logprobs = [], []
+    for i in range(k):
+        tok, lp = sampling.sample_with_logprobs(logits)
+        drafted.append(tok)
+        logprobs.append(lp)
+        if i + 1 < k:
+            logits = step(i + 1, tok.astype(mx.uint32))
+    q = None if sampling.greedy else mx.concatenate(logprobs)
+    return Draft(mx.concatenate(drafted).astype(mx.uint32), q)

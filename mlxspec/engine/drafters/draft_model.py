@@ -8,7 +8,7 @@ import mlx.nn as nn
 from ...errors import DrafterError
 from ..cache import ModelState, RollbackImpossible, model_nbytes
 from ..sampling import SamplingParams
-from .base import Draft, Drafter
+from .base import Draft, Drafter, sample_chain
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -61,16 +61,7 @@ class DraftModelDrafter(Drafter):
             return None
         missing = mx.array(tokens[self.state.length :], mx.uint32)
         logits = self.state.forward(missing)[-1:]
-        drafted, logprobs = [], []
-        for i in range(k):
-            tok, lp = sampling.sample_with_logprobs(logits)
-            drafted.append(tok)
-            logprobs.append(lp)
-            if i + 1 < k:
-                logits = self.state.forward(tok.astype(mx.uint32))
-        tokens_arr = mx.concatenate(drafted).astype(mx.uint32)
-        q = None if sampling.greedy else mx.concatenate(logprobs)
-        return Draft(tokens_arr, q)
+        return sample_chain(logits, k, sampling, lambda i, tok: self.state.forward(tok))
 
     def rollback(self, committed: int) -> None:
         try:

@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from ...models.mtp.head import MTPHead
 from ..sampling import SamplingParams
-from .base import Draft, Drafter
+from .base import Draft, Drafter, sample_chain
 
 
 def _nbytes(module) -> int:
@@ -61,16 +61,13 @@ class MTPDrafter(Drafter):
         logits, hid = self.head.step(new_tokens, rows[:need], self.cache)
         self.pairs = last
         self._rows = [rows[need:]] if rows.shape[0] > need else []
-        logits, hid = logits[-1:], hid[-1:]
-        drafted, logprobs = [], []
-        for i in range(k):
-            tok, lp = sampling.sample_with_logprobs(logits)
-            drafted.append(tok)
-            logprobs.append(lp)
-            if i + 1 < k:
-                logits, hid = self.head.step(tok.astype(mx.uint32), hid, self.cache, step=i + 1)
-        q = None if sampling.greedy else mx.concatenate(logprobs)
-        return Draft(mx.concatenate(drafted).astype(mx.uint32), q)
+        last_hidden = [hid[-1:]]  # the head's own output feeds the next chain step
+
+        def step(i, tok):
+            logits, last_hidden[0] = self.head.step(tok, last_hidden[0], self.cache, step=i)
+            return logits
+
+        return sample_chain(logits[-1:], k, sampling, step)
 
     def rollback(self, committed: int) -> None:
         # Only the chain is speculative: keep the committed pairs.

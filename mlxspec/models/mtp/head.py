@@ -8,6 +8,7 @@ head's own post-norm output is recycled as ``h`` for the next draft step.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -98,16 +99,25 @@ class MTPHead:
         return self.trunk.head(out), out
 
 
-def _moe_fused_to_switch(tensors: dict) -> dict:
-    """HF fused expert tensors -> mlx-lm's switch_mlp layout (as mlx-lm's sanitize does)."""
+def to_switch_mlp(tensors: dict) -> dict:
+    """Routed experts, HF fused (``experts.gate_up_proj``) or per-expert (``experts.{e}.*``),
+    -> mlx-lm's stacked ``switch_mlp.{gate,up,down}_proj.weight`` (as its sanitize does)."""
     out = dict(tensors)
     for key in [k for k in tensors if k.endswith("mlp.experts.gate_up_proj")]:
-        prefix = key[: -len("experts.gate_up_proj")]
+        p = key[: -len("experts.gate_up_proj")]
         gate_up = out.pop(key)
         mid = gate_up.shape[-2] // 2
-        out[prefix + "switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
-        out[prefix + "switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
-        out[prefix + "switch_mlp.down_proj.weight"] = out.pop(prefix + "experts.down_proj")
+        out[p + "switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        out[p + "switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        out[p + "switch_mlp.down_proj.weight"] = out.pop(p + "experts.down_proj")
+    per_expert = re.compile(r"^(.*mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for key in tensors:
+        m = per_expert.match(key)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = key
+    for (p, proj), keys in groups.items():
+        out[f"{p}switch_mlp.{proj}.weight"] = mx.stack([out.pop(keys[e]) for e in sorted(keys)])
     return out
 
 
@@ -129,7 +139,7 @@ def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
     args = _text_args(model)
     module = QwenMTPHead(args, weights.num_layers)
     tensors = {k[len("mtp."):]: v for k, v in weights.tensors.items()}
-    tensors = _moe_fused_to_switch(tensors)
+    tensors = to_switch_mlp(tensors)
     if weights.quantization:
         q = weights.quantization
         nn.quantize(

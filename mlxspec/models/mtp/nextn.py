@@ -37,7 +37,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ...errors import InvalidCheckpointError
-from .head import MTPHead, Trunk, _moe_fused_to_switch, split_trunk
+from .head import MTPHead, Trunk, to_switch_mlp, split_trunk
 
 # the layer's own tensors; everything else belongs to the decoder block
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
@@ -139,7 +139,7 @@ def load_nextn_head(model: nn.Module, weights) -> NextNMTPHead:
     as_layer0 = {"model.layers.0." + k: v for k, v in raw.items() if not k.endswith("rotary_emb.inv_freq")}
     if hasattr(lm, "sanitize"):
         as_layer0 = lm.sanitize(as_layer0)
-    tensors = _moe_fused_to_switch({k[len("model.layers.0."):]: v for k, v in as_layer0.items()})
+    tensors = to_switch_mlp({k[len("model.layers.0."):]: v for k, v in as_layer0.items()})
     tensors = {k if k.startswith(OWN) else "block." + k: v for k, v in tensors.items()}
     gate = "block.mlp.gate."
     if gate + "weight" in tensors and gate + "e_score_correction_bias" not in tensors:
