@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import MlxspecError, UsageError
-from mlxspec.models import tiny
+from mlxspec.models import tiny, tiny_mtp
 from mlxspec.models.convert import SIDECAR, convert_checkpoint
 from mlxspec.models.mtp.head import load_mtp_head
 from mlxspec.models.mtp.weights import find_mtp_weights
@@ -165,7 +165,7 @@ def test_source_with_a_quantized_head(tiny_qwen3_5, source, tmp_path):
     """An MLX source whose head is quantized: dequantized, or kept at the source's quantization."""
     src = tmp_path / "qsrc"
     shutil.copytree(tiny_qwen3_5, src)
-    tiny.quantize_mtp(src, bits=8, group_size=32)
+    tiny_mtp.quantize_mtp(src, bits=8, group_size=32)
     _, _, src_head = _load(src)
     hidden_size = source[0].args.text_config["hidden_size"]
     want = _head_logits(src_head, hidden_size)
@@ -181,7 +181,7 @@ def test_source_with_a_quantized_head(tiny_qwen3_5, source, tmp_path):
 
 def test_nextn_head_is_copied(tmp_path):
     """GLM / DeepSeek NextN layers go to the sidecar as stored, under their own names."""
-    src = tiny.write_nextn_checkpoint(tmp_path / "glm", "glm4_moe")
+    src = tiny_mtp.write_nextn_checkpoint(tmp_path / "glm", "glm4_moe")
     out = tmp_path / "glm_q4"
     result = convert_checkpoint(str(src), out, q_bits=4, q_group_size=32)
     assert result.head_family == "nextn" and result.head_bits is None

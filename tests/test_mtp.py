@@ -12,7 +12,7 @@ import mlxspec
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError
-from mlxspec.models import tiny
+from mlxspec.models import tiny, tiny_mtp
 from mlxspec.models.mtp.head import load_mtp_head
 from stats_helpers import chi_square_p, exact_joint
 
@@ -61,10 +61,10 @@ def test_head_is_the_same_in_every_layout(tiny_qwen3_5, dense, tmp_path):
     model, tok, head = dense
     converted = tmp_path / "converted"
     shutil.copytree(tiny_qwen3_5, converted)
-    tiny.convert_trunk_mlx(converted, "mtp.safetensors", shift_head_norms=True)
+    tiny_mtp.convert_trunk_mlx(converted, "mtp.safetensors", shift_head_norms=True)
     sharded = tmp_path / "sharded"
     shutil.copytree(tiny_qwen3_5, sharded)
-    tiny.relayout_mtp(sharded, "sharded", prefix="model.language_model.mtp.")
+    tiny_mtp.relayout_mtp(sharded, "sharded", prefix="model.language_model.mtp.")
     hidden = mx.random.normal((5, model.args.text_config["hidden_size"]), key=mx.random.key(0))
     tokens = mx.array([3, 4, 5, 6, 7], mx.uint32)
     want, _ = head.step(tokens, hidden, head.make_cache())
@@ -87,7 +87,7 @@ def test_head_is_the_same_in_every_layout(tiny_qwen3_5, dense, tmp_path):
 def test_quantized_head_drafts_exactly(tiny_qwen3_5, tmp_path):
     path = tmp_path / "q4"
     shutil.copytree(tiny_qwen3_5, path)
-    tiny.quantize_mtp(path, bits=4, group_size=32)
+    tiny_mtp.quantize_mtp(path, bits=4, group_size=32)
     model, tok, head = _load_with_head(path)
     assert head is not None
     prompt = tok.encode(PROMPT)

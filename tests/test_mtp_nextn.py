@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import InvalidCheckpointError
-from mlxspec.models import tiny
+from mlxspec.models import tiny, tiny_mtp
 from mlxspec.models.mtp.head import MTPHead, load_mtp_head, split_trunk
 from mlxspec.models.mtp.nextn import NextNHead
 
@@ -43,14 +43,14 @@ def _copy(src, dst):
 
 @pytest.fixture(scope="module")
 def glm_path(tmp_path_factory):
-    return tiny.write_nextn_checkpoint(tmp_path_factory.mktemp("glm"), "glm4_moe", vocab_size=VOCAB, seed=1)
+    return tiny_mtp.write_nextn_checkpoint(tmp_path_factory.mktemp("glm"), "glm4_moe", vocab_size=VOCAB, seed=1)
 
 
 @pytest.fixture(scope="module")
 def ds_path(tmp_path_factory):
     """DeepSeek-V3, 2 trunk layers, the NextN layer (model.layers.2.*) in an mtp.safetensors
     sidecar: mlx-lm reads only model*.safetensors, so the trunk loads as is."""
-    path = tiny.write_nextn_checkpoint(tmp_path_factory.mktemp("ds"), "deepseek_v3", vocab_size=VOCAB,
+    path = tiny_mtp.write_nextn_checkpoint(tmp_path_factory.mktemp("ds"), "deepseek_v3", vocab_size=VOCAB,
                                        seed=2, hidden_size=32, intermediate_size=64,
                                        moe_intermediate_size=16, q_lora_rank=16)
     weights = mx.load(str(path / "model.safetensors"))
@@ -67,7 +67,7 @@ def ds61_path(tmp_path_factory):
     """DeepSeek-V3 in its own single-file layout: mlx-lm's deepseek_v3 sanitize drops the
     hard-coded "model.layers.61", so only 61 trunk layers load. Trunk layers are dense
     (first_k_dense_replace=61) to keep it fast; layer 61, the NextN block, is still MoE."""
-    return tiny.write_nextn_checkpoint(tmp_path_factory.mktemp("ds61"), "deepseek_v3", vocab_size=VOCAB,
+    return tiny_mtp.write_nextn_checkpoint(tmp_path_factory.mktemp("ds61"), "deepseek_v3", vocab_size=VOCAB,
                                        seed=3, num_hidden_layers=61, first_k_dense_replace=61,
                                        hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
                                        q_lora_rank=16)
@@ -243,7 +243,7 @@ def test_quantized_nextn_head(glm_path, tmp_path):
 
 def test_quantized_deepseek_nextn_head(tmp_path):
     """A quantized MLA kv_b_proj goes through mlx-lm's own dequantize / split / requantize."""
-    path = tiny.write_nextn_checkpoint(tmp_path / "dsq", "deepseek_v3", vocab_size=VOCAB, seed=4,
+    path = tiny_mtp.write_nextn_checkpoint(tmp_path / "dsq", "deepseek_v3", vocab_size=VOCAB, seed=4,
                                        hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
                                        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32,
                                        v_head_dim=32)

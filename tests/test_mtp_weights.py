@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlxspec.errors import InvalidCheckpointError
-from mlxspec.models import tiny
+from mlxspec.models import tiny, tiny_mtp
 from mlxspec.models.mtp import MTPWeights, find_mtp_weights
 
 VOCAB = 32
@@ -79,10 +79,10 @@ def _assert_dense_head(w: MTPWeights, raw: dict, shifted: bool) -> None:
 # -- layouts and prefixes --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefix", tiny.MTP_KEY_PREFIXES)
-@pytest.mark.parametrize("layout", ["single", "sharded", *tiny.MTP_SIDECARS])
+@pytest.mark.parametrize("prefix", tiny_mtp.MTP_KEY_PREFIXES)
+@pytest.mark.parametrize("layout", ["single", "sharded", *tiny_mtp.MTP_SIDECARS])
 def test_layouts_and_prefixes(dense, dense_raw_head, tmp_path, layout, prefix):
-    path = tiny.relayout_mtp(_copy(dense, tmp_path), layout, prefix)
+    path = tiny_mtp.relayout_mtp(_copy(dense, tmp_path), layout, prefix)
     w = _find(path)
     expected_source = {"single": "model.safetensors",
                        "sharded": "model.safetensors.index.json (1 of 2 shards)"}.get(layout, layout)
@@ -94,7 +94,7 @@ def test_layouts_and_prefixes(dense, dense_raw_head, tmp_path, layout, prefix):
 
 
 def test_sharded_index_points_at_the_head_shard(dense, tmp_path):
-    path = tiny.relayout_mtp(_copy(dense, tmp_path), "sharded")
+    path = tiny_mtp.relayout_mtp(_copy(dense, tmp_path), "sharded")
     index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     assert {index[k] for k in index if k.startswith("mtp.")} == {"model-00002-of-00002.safetensors"}
     assert not (path / "model.safetensors").exists()
@@ -111,7 +111,7 @@ def test_sidecar_wins_over_main_files(dense, tmp_path):
 
 
 def test_mlx_converted_trunk_with_converted_sidecar_is_not_shifted(dense, dense_raw_head, tmp_path):
-    path = tiny.convert_trunk_mlx(_copy(dense, tmp_path), shift_head_norms=True)
+    path = tiny_mtp.convert_trunk_mlx(_copy(dense, tmp_path), shift_head_norms=True)
     trunk = mx.load(str(path / "model.safetensors"))
     assert not any("mtp." in k for k in trunk)
     assert all(v.shape[-1] == 1 for k, v in trunk.items() if k.endswith("conv1d.weight"))
@@ -124,7 +124,7 @@ def test_mlx_converted_trunk_with_converted_sidecar_is_not_shifted(dense, dense_
 
 
 def test_mlx_converted_trunk_with_raw_sidecar_is_shifted(dense, dense_raw_head, tmp_path):
-    path = tiny.convert_trunk_mlx(_copy(dense, tmp_path), sidecar="model-mtp.safetensors",
+    path = tiny_mtp.convert_trunk_mlx(_copy(dense, tmp_path), sidecar="model-mtp.safetensors",
                                   shift_head_norms=False)
     w = _find(path)
     assert w.source == "model-mtp.safetensors"
@@ -143,7 +143,7 @@ def test_raw_trunk_decides_over_head_statistics(dense, tmp_path):
 
 def test_converted_head_in_main_files_of_converted_trunk_is_not_shifted(dense, tmp_path):
     """No unconverted conv1d: the head's own statistics decide (here: near 1, converted)."""
-    path = tiny.convert_trunk_mlx(_copy(dense, tmp_path), shift_head_norms=True)
+    path = tiny_mtp.convert_trunk_mlx(_copy(dense, tmp_path), shift_head_norms=True)
     trunk = dict(mx.load(str(path / "model.safetensors")))
     trunk.update(mx.load(str(path / "mtp.safetensors")))
     mx.eval(trunk)
@@ -166,7 +166,7 @@ def test_bfloat16_is_kept_and_shifted_in_place(tmp_path):
 
 
 def test_quantized_head(dense, dense_raw_head, tmp_path):
-    path = tiny.quantize_mtp(_copy(dense, tmp_path), bits=4, group_size=32)
+    path = tiny_mtp.quantize_mtp(_copy(dense, tmp_path), bits=4, group_size=32)
     w = _find(path)
     assert w.quantization == {"group_size": 32, "bits": 4, "mode": "affine"}
     for base in ("mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.mlp.down_proj"):
@@ -177,7 +177,7 @@ def test_quantized_head(dense, dense_raw_head, tmp_path):
 
 
 def test_quantization_inferred_without_config_block(dense, tmp_path):
-    path = tiny.quantize_mtp(_copy(dense, tmp_path), bits=8, group_size=64)
+    path = tiny_mtp.quantize_mtp(_copy(dense, tmp_path), bits=8, group_size=64)
     config = _config(path)
     del config["quantization"], config["quantization_config"]
     _write_config(path, config)
@@ -185,7 +185,7 @@ def test_quantization_inferred_without_config_block(dense, tmp_path):
 
 
 def test_quantized_head_missing_biases(dense, tmp_path):
-    path = tiny.quantize_mtp(_copy(dense, tmp_path))
+    path = tiny_mtp.quantize_mtp(_copy(dense, tmp_path))
     _rewrite(path, lambda w: w.pop("mtp.layers.0.self_attn.o_proj.biases"))
     with pytest.raises(InvalidCheckpointError, match=r"mtp\.layers\.0\.self_attn\.o_proj\.biases"):
         _find(path)
@@ -276,7 +276,7 @@ def test_wrong_shape_is_one_line_error(dense, tmp_path):
 
 
 def test_sharded_index_naming_a_missing_shard(dense, tmp_path):
-    path = tiny.relayout_mtp(_copy(dense, tmp_path), "sharded")
+    path = tiny_mtp.relayout_mtp(_copy(dense, tmp_path), "sharded")
     (path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(InvalidCheckpointError, match="model-00002-of-00002.safetensors"):
         _find(path)
@@ -291,7 +291,7 @@ def test_sidecar_without_head_tensors(dense, tmp_path):
 
 def test_no_head_returns_none(dense, tmp_path):
     # an mlx-lm conversion: sanitize dropped mtp.*, the config still says mtp_num_hidden_layers 1
-    path = tiny.convert_trunk_mlx(_copy(dense, tmp_path))
+    path = tiny_mtp.convert_trunk_mlx(_copy(dense, tmp_path))
     (path / "mtp.safetensors").unlink()
     assert _config(path)["text_config"]["mtp_num_hidden_layers"] == 1
     assert _find(path) is None
@@ -316,14 +316,14 @@ def test_unsupported_model_type_returns_none(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
 def test_nextn_layer(tmp_path, model_type):
-    path = tiny.write_nextn_checkpoint(tmp_path / model_type, model_type, vocab_size=VOCAB)
+    path = tiny_mtp.write_nextn_checkpoint(tmp_path / model_type, model_type, vocab_size=VOCAB)
     config = _config(path)
     n = config["num_hidden_layers"]
     stored = mx.load(str(path / "model.safetensors"))
     w = _find(path)
     assert w.family == "nextn" and w.num_layers == 1 and w.source == "model.safetensors"
     expected = {k.replace(f"model.layers.{n}.", "nextn.layers.0."): s
-                for k, s in tiny.nextn_layer_shapes(config, n).items()}
+                for k, s in tiny_mtp.nextn_layer_shapes(config, n).items()}
     assert {k: tuple(v.shape) for k, v in w.tensors.items()} == expected
     assert {"nextn.layers.0.eh_proj.weight", "nextn.layers.0.enorm.weight", "nextn.layers.0.hnorm.weight",
             "nextn.layers.0.shared_head.norm.weight", "nextn.layers.0.shared_head.head.weight",
@@ -335,7 +335,7 @@ def test_nextn_layer(tmp_path, model_type):
 
 
 def test_nextn_two_layers_and_missing_tensor(tmp_path):
-    path = tiny.write_nextn_checkpoint(tmp_path / "ds", "deepseek_v3", vocab_size=VOCAB,
+    path = tiny_mtp.write_nextn_checkpoint(tmp_path / "ds", "deepseek_v3", vocab_size=VOCAB,
                                        num_nextn_predict_layers=2)
     w = _find(path)
     assert w.num_layers == 2
@@ -346,7 +346,7 @@ def test_nextn_two_layers_and_missing_tensor(tmp_path):
 
 
 def test_nextn_sidecar(tmp_path):
-    path = tiny.write_nextn_checkpoint(tmp_path / "glm", "glm4_moe", vocab_size=VOCAB)
+    path = tiny_mtp.write_nextn_checkpoint(tmp_path / "glm", "glm4_moe", vocab_size=VOCAB)
     weights = mx.load(str(path / "model.safetensors"))
     mx.eval(weights)
     head = {k: v for k, v in weights.items() if k.startswith("model.layers.2.")}
