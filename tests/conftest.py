@@ -60,3 +60,24 @@ def tiny_vocab8(tmp_path_factory):
 def tiny_mismatched_vocab(tmp_path_factory):
     """qwen3 whose tokenizer (BPE, 384 tokens) differs from shared_tokenizer."""
     return _checkpoint(tmp_path_factory, "tiny_mismatched_vocab", "qwen3", vocab_size=384, seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next():
+    """An in-process Qwen3-Next (hybrid, MoE MLP, its own GatedDeltaNet class), random weights."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
+        rms_norm_eps=1e-6, vocab_size=300, num_key_value_heads=2, rope_theta=10000.0,
+        partial_rotary_factor=0.25, max_position_embeddings=4096, head_dim=16,
+        full_attention_interval=2)
+    mx.random.seed(0)
+    model = qwen3_next.Model(args)
+    mx.eval(model.parameters())
+    return model

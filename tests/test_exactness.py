@@ -188,3 +188,23 @@ def test_wrapped_ring_rolls_back_one_token_writes(models):
     b = seq.forward(probe, rollback=False)
     assert spec.length == seq.length
     assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_qwen3_next_rollback_replays_the_tape(tiny_qwen3_next):
+    from mlxspec.models.gdn_tape import TapedQwen3NextGatedDeltaNet
+
+    model = tiny_qwen3_next
+    prompt = list(range(20, 40))
+    spec, chunk = ModelState(model), ModelState(model)
+    assert isinstance(model.layers[0].linear_attn, TapedQwen3NextGatedDeltaNet)
+    for st in (spec, chunk):
+        st.prefill(prompt)
+    spec.forward(mx.array([11, 12, 13, 14, 15], mx.uint32))
+    spec.rollback_to(len(prompt) + 3)
+    chunk.forward(mx.array([11, 12, 13], mx.uint32), rollback=False)
+    for c1, c2 in zip(spec.cache, chunk.cache):
+        if isinstance(c1, ArraysCache):
+            for x, y in zip(c1.cache, c2.cache):
+                assert mx.array_equal(x, y).item()
+    probe = mx.array([9], mx.uint32)
+    assert mx.allclose(spec.forward(probe, rollback=False), chunk.forward(probe, rollback=False), atol=1e-5).item()

@@ -124,26 +124,15 @@ def test_mtp_drafter_choice(tiny_qwen3_5, tiny_qwen3):
         without.generate("hi", max_tokens=4, drafter="mtp")
 
 
-def test_qwen3_next_head_drafts_exactly():
-    """Qwen3-Next (MoE trunk, its own GatedDeltaNet class: snapshot + re-feed rollback)."""
+def test_qwen3_next_head_drafts_exactly(tiny_qwen3_next):
+    """Qwen3-Next (MoE trunk, its own GatedDeltaNet class)."""
     from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_next
 
     from mlxspec.models.mtp.head import MTPHead, QwenMTPHead, split_trunk
 
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-        shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
-        rms_norm_eps=1e-6, vocab_size=300, num_key_value_heads=2, rope_theta=10000.0,
-        partial_rotary_factor=0.25, max_position_embeddings=4096, head_dim=16,
-        full_attention_interval=2)
-    mx.random.seed(0)
-    model = qwen3_next.Model(args)
-    module = QwenMTPHead(args, 1)
-    mx.eval(model.parameters(), module.parameters())
+    model = tiny_qwen3_next
+    module = QwenMTPHead(model.args, 1)
+    mx.eval(module.parameters())
     head = MTPHead(module, split_trunk(model), sum(v.nbytes for _, v in tree_flatten(module.parameters())), "test")
     prompt = list(range(10, 30))
     ref = greedy(model, prompt)

@@ -1,4 +1,4 @@
-"""Tape replay for GatedDeltaNet rollback (Qwen3.5 / Qwen3.6 hybrids).
+"""Tape replay for GatedDeltaNet rollback (Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids).
 
 A verify forward over S tokens records, per linear-attention layer, what it fed the
 recurrence: the conv input (state rows + new rows) and the post-conv q, k, v with the gate
@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
+from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 
 @dataclass
@@ -28,23 +29,21 @@ class Tape:
     b: mx.array
 
 
-class TapedGatedDeltaNet(GatedDeltaNet):
-    """mlx-lm's GatedDeltaNet, recording a :class:`Tape` on its cache when asked to.
+class _Taping:
+    """Mixin over an mlx-lm GatedDeltaNet class: records a :class:`Tape` on its cache when
+    ``cache.record_tape`` is set. Otherwise it is mlx-lm's layer unchanged. Taping, it performs
+    the same operations as the layer's own ``__call__`` for one unpadded sequence (the
+    projections come from :meth:`_project`, the rest is shared by both classes)."""
 
-    Without ``cache.record_tape`` it is mlx-lm's layer unchanged. With it, the forward below
-    performs the same operations as ``GatedDeltaNet.__call__`` for one unpadded sequence and
-    keeps the recurrence inputs.
-    """
+    def _project(self, inputs: mx.array):  # -> (pre-conv qkv, z, a, b)
+        raise NotImplementedError
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         taping = getattr(cache, "record_tape", False)
-        if not taping or mask is not None or self.sharding_group is not None:
+        if not taping or mask is not None or getattr(self, "sharding_group", None) is not None:
             return super().__call__(inputs, mask, cache)
         B, S, _ = inputs.shape
-        qkv = self.in_proj_qkv(inputs)
-        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        b = self.in_proj_b(inputs)
-        a = self.in_proj_a(inputs)
+        qkv, z, a, b = self._project(inputs)
         conv_state = cache[0]
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
@@ -81,7 +80,31 @@ class TapedGatedDeltaNet(GatedDeltaNet):
         return conv, state
 
 
-def tape_layers(model: nn.Module, cache: list) -> list[TapedGatedDeltaNet] | None:
+class TapedGatedDeltaNet(_Taping, GatedDeltaNet):
+    """Qwen3.5 / Qwen3.6 (dense and MoE)."""
+
+    def _project(self, inputs):
+        B, S, _ = inputs.shape
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(inputs), z, self.in_proj_a(inputs), self.in_proj_b(inputs)
+
+
+class TapedQwen3NextGatedDeltaNet(_Taping, Qwen3NextGatedDeltaNet):
+    """Qwen3-Next: q, k, v, z and b, a come interleaved from two projections."""
+
+    def _project(self, inputs):
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        )
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, a, b
+
+
+TAPED = {GatedDeltaNet: TapedGatedDeltaNet, Qwen3NextGatedDeltaNet: TapedQwen3NextGatedDeltaNet}
+
+
+def tape_layers(model: nn.Module, cache: list) -> list[_Taping] | None:
     """Enable taping on every linear-attention layer, paired with its cache entry, or None
     when some recurrent cache belongs to a layer this module cannot tape."""
     layers = getattr(model, "layers", None)
@@ -94,9 +117,9 @@ def tape_layers(model: nn.Module, cache: list) -> list[TapedGatedDeltaNet] | Non
             if hasattr(c, "cache"):  # a recurrent cache on a layer we do not know
                 return None
             continue
-        if type(gdn) is GatedDeltaNet:
-            gdn.__class__ = TapedGatedDeltaNet  # same module, same weights, tape on demand
-        if not isinstance(gdn, TapedGatedDeltaNet):
+        if type(gdn) in TAPED:
+            gdn.__class__ = TAPED[type(gdn)]  # same module, same weights, tape on demand
+        if not isinstance(gdn, _Taping):
             return None
         taped.append(gdn)
     return taped
