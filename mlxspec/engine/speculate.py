@@ -111,7 +111,6 @@ class _Run:
         self.hidden_to_drafter = self.drafter is not None and self.drafter.needs_hidden
         self.target = ModelState(dec.model, keep_hidden=self.hidden_to_drafter)
         self.stats = Stats(prompt_tokens=len(prompt))
-        self.stats.drafter = self.drafter.name if self.drafter else "none"
         self.gate = self.shadow = None
         if self.drafter is not None:
             try:
@@ -120,6 +119,7 @@ class _Run:
                 self.stats.record_gate(False, str(err))
                 self.drafter = None
                 self.hidden_to_drafter = False
+        self.stats.drafter = self.drafter.name if self.drafter else "none"
         if self.drafter is not None:
             self.gate = SpeculationGate(
                 self.drafter, dec.max_depth, dec.cost, fixed_depth=dec.depth, enabled=dec.gates
