@@ -119,6 +119,8 @@ class SpecModel:
         depth: int | None = None,
         system: str | None = None,
         raw: bool = False,
+        max_depth: int | None = None,
+        gates: bool = True,
     ) -> Iterator[Chunk]:
         """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final."""
         if drafter not in DRAFTERS:
@@ -145,6 +147,8 @@ class SpecModel:
             mtp_head=head,
             drafter=drafter,
             depth=depth,
+            max_depth=max_depth,
+            gates=gates,
             cost=cost,
         )
         detok = self.tokenizer.detokenizer

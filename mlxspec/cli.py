@@ -255,6 +255,7 @@ interactive chat starts (/reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D q
 
 @app.command(help=RUN_HELP, no_args_is_help=False)
 def run(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         metavar="MODEL", show_default=False,
         help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
@@ -272,6 +273,10 @@ def run(
     depth: Annotated[Optional[int], typer.Option(
         help=f"Tokens drafted per step, 1 to {MAX_DEPTH} (default: chosen per drafter).",
         show_default=False)] = None,
+    preset: Annotated[Optional[str], typer.Option(
+        help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
+             "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
+             "the preset's drafter.", show_default=False)] = None,
     temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the most likely tokens "
                                               "up to this probability mass, in (0, 1].")] = 1.0,
@@ -292,6 +297,7 @@ def run(
     with _user_errors():
         _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
         model, prompt = _split_positionals(model, prompt)
+        drafter, draft_model, preset_options = _prepare_run(preset, model, drafter, draft_model, ctx)
         chat = prompt is None and sys.stdin.isatty()
         if chat and json_out:
             raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
@@ -311,6 +317,7 @@ def run(
 
         options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=seed, drafter=drafter, depth=depth, system=system, raw=raw)
+        options.update(preset_options)
         if json_out:
             result = spec.generate(prompt, **options)
             sys.stdout.write(json.dumps(result.to_dict()) + "\n")
@@ -380,6 +387,114 @@ def convert(
         else:
             head = "no MTP head"
         sys.stdout.write(f"converted to {result.out} ({human_size(result.size_bytes)}, {trunk}); {head}\n")
+        sys.stdout.flush()
+
+
+# -- the profile command and --preset ----------------------------------------
+
+PROFILE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Show this machine: chip, CPU/GPU cores, memory, MLX's recommended working set, memory bandwidth,
+OS and MLX versions. With MODEL (and --draft-model), also what `--preset auto` would choose for
+it and why.
+""".strip().split("\n\n"))
+
+
+def _flag_given(ctx, name: str) -> bool:
+    """Whether option NAME was typed on the command line (not a default, env or config value)."""
+    try:  # by name: Typer may ship its own copy of click, with its own ParameterSource enum
+        return ctx is not None and getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+    except Exception:
+        return False
+
+
+def _prepare_run(preset, model, drafter, draft_model, ctx=None):
+    """Memory warning + wired limit, and --preset -> (drafter, draft_model, extra stream options)."""
+    from . import hardware, presets
+
+    profile = hardware.detect(fast=True)
+    caps = None
+    with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message in load()
+        caps = presets.model_caps(model, draft_model, look_for_mtp=preset == "auto")
+    chosen = reasons = None
+    if preset is not None:
+        chosen, reasons = presets.resolve(preset, profile, caps or presets.ModelCaps(draft_name=draft_model))
+        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
+            caps.draft_bytes = None  # a refused draft model will not be loaded
+    if caps is not None and caps.model_bytes:
+        total = caps.model_bytes + (caps.draft_bytes or 0)
+        warning = hardware.memory_warning(total, profile, caps.name if not caps.draft_bytes
+                                          else f"{caps.name} with its draft model")
+        if warning:
+            _note(warning)
+        hardware.apply_memory_limits(total, profile)
+    if preset is None:
+        return drafter, draft_model, {}
+    if preset == "auto":
+        _note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
+    options = {"gates": chosen.gates}
+    if _flag_given(ctx, "drafter"):
+        if drafter != chosen.drafter:
+            _note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+        return drafter, draft_model, options
+    if chosen.max_depth:
+        options["max_depth"] = chosen.max_depth
+    if chosen.drafter != "draft" and preset == "auto":
+        draft_model = None  # refused (or not needed): do not load it
+    return chosen.drafter, draft_model, options
+
+
+def _profile_lines(data: dict) -> list[tuple[str, str]]:
+    from .hardware import human_bytes
+
+    tiers = " + ".join(f"{n} {name}" for name, n in data["cpu_core_tiers"].items())
+    cpu = "?" if data["cpu_cores"] is None else f"{data['cpu_cores']} cores" + (f" ({tiers})" if tiers else "")
+    rows = [("chip", data["chip"] or "unknown"), ("cpu", cpu)]
+    if data["gpu"] or data["gpu_cores"]:
+        rows.append(("gpu", f"{data['gpu'] or 'GPU'}" + (f", {data['gpu_cores']} cores" if data["gpu_cores"] else "")))
+    mem = human_bytes(data["memory_bytes"]) + (" unified" if data["os"] == "macOS" else " RAM")
+    if data["working_set_bytes"]:
+        mem += f", recommended working set {human_bytes(data['working_set_bytes'])}"
+    rows.append(("memory", mem))
+    bw = "unknown"
+    if data["bandwidth_gbs"]:
+        bw = f"{data['bandwidth_gbs']:g} GB/s ({data['bandwidth_source']})"
+    rows.append(("bandwidth", bw))
+    rows.append(("os", " ".join(x for x in (data["os"], data["os_version"], data["arch"]) if x) or "unknown"))
+    rows.append(("mlx", f"{data['mlx_version'] or 'not installed'} (default device {data['mlx_device'] or '?'})"))
+    return rows
+
+
+@app.command(help=PROFILE_HELP)
+def profile(
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="Also show what --preset auto would choose for this model folder or cached repo id.")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", metavar="PATH_OR_REPO", help="A draft model to consider for MODEL.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    with _user_errors():
+        from . import hardware, presets
+
+        prof = hardware.detect()
+        data = prof.to_dict()
+        if model is not None or draft_model is not None:
+            caps = presets.model_caps(model, draft_model)
+            chosen, reasons = presets.choose(prof, caps)
+            data["auto"] = {"model": caps.name, "model_bytes": caps.model_bytes,
+                            "has_mtp_head": caps.has_mtp_head, "draft_model": caps.draft_name,
+                            "draft_bytes": caps.draft_bytes, "preset": chosen.name,
+                            "drafter": chosen.drafter, "max_depth": chosen.max_depth,
+                            "gates": chosen.gates, "reasons": reasons}
+        if json_out:
+            sys.stdout.write(json.dumps(data) + "\n")
+            return
+        rows = _profile_lines(data)
+        if "auto" in data:
+            rows.append(("auto", f"{data['auto']['preset']} for {data['auto']['model']}: "
+                                 + "; ".join(data["auto"]["reasons"])))
+        for label, value in rows:
+            sys.stdout.write(f"{label:<10} {value}\n")
         sys.stdout.flush()
 
 
