@@ -498,6 +498,141 @@ def profile(
         sys.stdout.flush()
 
 
+# -- the pull, list and rm commands (model cache) ------------------------------
+
+PULL_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Download MODEL into the Hugging Face cache, where `mlxspec run`, mlx-lm and other tools find it.
+
+MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxspec list
+--catalog`). Only the files a model needs are fetched: weights, config, tokenizer, chat template
+and, unless --no-include-mtp, an MTP head sidecar. Files already cached are skipped, so running
+the command again after an interruption finishes the download. HF_HOME, HF_HUB_CACHE, HF_TOKEN,
+HF_ENDPOINT and HF_HUB_OFFLINE are honoured.
+""".strip().split("\n\n"))
+
+
+def _pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
+    from . import hub
+
+    console = _stderr_console()
+    if not console.is_terminal:
+        return hub.pull(model, revision=revision, include_mtp=include_mtp)
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False)
+    state = {"task": None}
+    repo_id = hub.to_repo_id(model)
+
+    def on_start(files: int, total: int) -> None:
+        if files:
+            state["task"] = progress.add_task(f"{repo_id} ({files} file{'s' * (files != 1)})", total=total or None)
+
+    def on_bytes(n: int) -> None:
+        if state["task"] is not None:
+            progress.advance(state["task"], n)
+
+    with progress:
+        status = progress.add_task("resolving…", total=None, visible=True)
+        progress.update(status, description=f"resolving {repo_id}…")
+        try:
+            return hub.pull(model, revision=revision, include_mtp=include_mtp,
+                            on_start=lambda f, t: (progress.remove_task(status), on_start(f, t)),
+                            on_bytes=on_bytes)
+        finally:
+            if status in progress.task_ids:
+                progress.remove_task(status)
+
+
+@app.command(help=PULL_HELP)
+def pull(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", show_default=False, help="Repo id (org/name) or catalog alias.")],
+    revision: Annotated[Optional[str], typer.Option(
+        "--revision", help="Branch, tag or commit to download (default: main).", show_default=False)] = None,
+    include_mtp: Annotated[bool, typer.Option(
+        "--include-mtp/--no-include-mtp", help="Also fetch an MTP head sidecar (mtp.safetensors, "
+                                               "mtp/*.safetensors, model-mtp.safetensors).")] = True,
+) -> None:
+    with _user_errors():
+        from .hub import human_size
+
+        result = _pull_with_progress(model, revision, include_mtp)
+        what = ("already in the cache" if result.already_cached else
+                f"downloaded {result.files} file{'s' * (result.files != 1)}, {human_size(result.downloaded_bytes)}")
+        pin = f"@{result.revision}" if result.revision != "main" else ""
+        sys.stdout.write(f"{result.repo_id}{pin}: {what} ({result.path})\n")
+        sys.stdout.flush()
+
+
+def _list_table(rows: list) -> None:
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False)
+    for column, justify in (("MODEL", "left"), ("SIZE", "right"), ("ARCH", "left"), ("QUANT", "left"),
+                            ("MTP", "left"), ("CONTEXT", "right")):
+        table.add_column(column, justify=justify, no_wrap=column != "MODEL")
+    for row in rows:
+        quant = row["quantization"]
+        table.add_row(row["repo_id"], row["size"], row["architecture"] or "?",
+                      f"{quant['bits']}-bit/g{quant['group_size']}" if quant else "-",
+                      "yes" if row["mtp"] else "-",
+                      f"{row['context_length']:,}" if isinstance(row["context_length"], int) else "?")
+    _stdout_console().print(table)
+
+
+@app.command(name="list")
+def list_models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects.")] = False,
+    show_catalog: Annotated[bool, typer.Option(
+        "--catalog", help="List the aliases `mlxspec pull` knows instead of the cached models.")] = False,
+) -> None:
+    """List the models in the Hugging Face cache: size, architecture, quantization, MTP head, context."""
+    with _user_errors():
+        from . import hub
+
+        if show_catalog:
+            rows = [{"alias": e.alias, "repo_id": e.repo, "mtp": e.mtp, "draft": e.draft, "note": e.note}
+                    for e in hub.catalog().values()]
+            if json_out:
+                sys.stdout.write(json.dumps(rows) + "\n")
+            else:
+                for row in rows:
+                    extra = ", MTP head" if row["mtp"] else (f", draft: {row['draft']}" if row["draft"] else "")
+                    sys.stdout.write(f"{row['alias']:<14} {row['repo_id']}{extra}\n")
+            return
+        rows = hub.list_models()
+        if json_out:
+            sys.stdout.write(json.dumps(rows) + "\n")
+        elif not rows:
+            _note(f"no models in the Hugging Face cache ({hub._display(hub.hf_cache_dir())}); "
+                  "download one with `mlxspec pull MODEL`")
+        else:
+            _list_table(rows)
+
+
+@app.command(name="rm")
+def remove_model(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", show_default=False, help="Cached repo id or catalog alias.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Remove MODEL (every cached revision) from the Hugging Face cache."""
+    with _user_errors():
+        from .hub import human_size, plan_removal
+
+        plan = plan_removal(model)
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"removing {plan.repo_id} needs confirmation: pass --yes")
+            if not typer.confirm(f"remove {plan.repo_id} ({human_size(plan.freed_bytes)})?", default=False):
+                raise typer.Exit(1)
+        plan.execute()
+        sys.stdout.write(f"removed {plan.repo_id}, freed {human_size(plan.freed_bytes)}\n")
+        sys.stdout.flush()
+
+
 def main() -> None:
     """Console-script entry point: no tracebacks for anything the user can fix."""
     try:
