@@ -51,7 +51,12 @@ class SpecModel:
         self._cost = None  # this machine's verify-cost curve, measured on first use
 
     def verify_cost(self):
-        """Measured cost of verifying 1..16 tokens with this model (once per load)."""
+        """Measured cost of verifying 1..16 tokens with this model: the curve `mlxspec tune`
+        stored for this machine and model, else measured now (once per load)."""
+        if self._cost is None:
+            from .tune import stored_cost
+
+            self._cost = stored_cost(self.target)
         if self._cost is None:
             from .engine.costs import measure_verify_cost
 

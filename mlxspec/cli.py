@@ -262,11 +262,12 @@ def run(
     prompt: Annotated[Optional[str], typer.Argument(
         metavar="PROMPT", show_default=False,
         help="The prompt. Omit it to read stdin, or to chat on a terminal.")] = None,
-    drafter: Annotated[str, typer.Option(
+    drafter: Annotated[Optional[str], typer.Option(
         help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
              "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
              "--draft-model), mtp (the model's native multi-token-prediction head) or none "
-             "(plain decoding).")] = "auto",
+             "(plain decoding). Default: $MLXSPEC_DRAFTER, else the config file, else auto.",
+        show_default=False)] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="PATH_OR_REPO",
         help="Small model sharing MODEL's tokenizer, used to draft tokens.")] = None,
@@ -277,15 +278,23 @@ def run(
         help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
              "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
              "the preset's drafter.", show_default=False)] = None,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling: keep the most likely tokens "
-                                              "up to this probability mass, in (0, 1].")] = 1.0,
-    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens; 0 is off.")] = 0,
-    min_p: Annotated[float, typer.Option(help="Drop tokens less likely than MIN_P times the top "
-                                              "token's probability; 0 is off.")] = 0.0,
+    temp: Annotated[Optional[float], typer.Option(
+        help="Sampling temperature; 0 is greedy. [default: 0.0, or $MLXSPEC_TEMP / config]",
+        show_default=False)] = None,
+    top_p: Annotated[Optional[float], typer.Option(
+        help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1]. "
+             "[default: 1.0, or $MLXSPEC_TOP_P / config]", show_default=False)] = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        help="Keep only the K most likely tokens; 0 is off. [default: 0, or $MLXSPEC_TOP_K / config]",
+        show_default=False)] = None,
+    min_p: Annotated[Optional[float], typer.Option(
+        help="Drop tokens less likely than MIN_P times the top token's probability; 0 is off. "
+             "[default: 0.0, or $MLXSPEC_MIN_P / config]", show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.",
                                                 show_default=False)] = None,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate per answer.")] = 512,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        help="Most tokens to generate per answer. [default: 512, or $MLXSPEC_MAX_TOKENS / config]",
+        show_default=False)] = None,
     system: Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)] = None,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send the prompt as is, without the model's chat template.")] = False,
@@ -295,8 +304,15 @@ def run(
         "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")] = False,
 ) -> None:
     with _user_errors():
+        from .config import resolve_alias, settings
+
+        # unset flags come from $MLXSPEC_*, then the config file, then the defaults
+        given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                              max_tokens=max_tokens, preset=preset))
+        drafter, temp, top_p, top_k, min_p, max_tokens, preset = (
+            given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset"))
         _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
-        model, prompt = _split_positionals(model, prompt)
+        model, prompt = _split_positionals(resolve_alias(model), prompt)
         drafter, draft_model, preset_options = _prepare_run(preset, model, drafter, draft_model, ctx)
         chat = prompt is None and sys.stdin.isatty()
         if chat and json_out:
@@ -390,112 +406,110 @@ def convert(
         sys.stdout.flush()
 
 
-# -- the profile command and --preset ----------------------------------------
+# -- the tune command --------------------------------------------------------
 
-PROFILE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
-Show this machine: chip, CPU/GPU cores, memory, MLX's recommended working set, memory bandwidth,
-OS and MLX versions. With MODEL (and --draft-model), also what `--preset auto` would choose for
-it and why.
+TUNE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Measure on this machine what speculation costs and gains with MODEL, and store it.
+
+It times a verify forward of 1 to 16 tokens and one draft step of each drafter (prompt lookup,
+the --draft-model, the model's MTP head if it has one), runs each drafter at depth 8 on a few
+built-in prompts (a code edit, code completion, prose) to measure acceptance per draft
+position, and picks the depth with the best expected speed per drafter. The result is stored
+per machine and model (the path is printed at the end); `run` then
+uses the stored cost curve instead of measuring it at load.
 """.strip().split("\n\n"))
 
 
-def _flag_given(ctx, name: str) -> bool:
-    """Whether option NAME was typed on the command line (not a default, env or config value)."""
-    try:  # by name: Typer may ship its own copy of click, with its own ParameterSource enum
-        return ctx is not None and getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
-    except Exception:
-        return False
-
-
-def _prepare_run(preset, model, drafter, draft_model, ctx=None):
-    """Memory warning + wired limit, and --preset -> (drafter, draft_model, extra stream options)."""
-    from . import hardware, presets
-
-    profile = hardware.detect(fast=True)
-    caps = None
-    with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message in load()
-        caps = presets.model_caps(model, draft_model, look_for_mtp=preset == "auto")
-    chosen = reasons = None
-    if preset is not None:
-        chosen, reasons = presets.resolve(preset, profile, caps or presets.ModelCaps(draft_name=draft_model))
-        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
-            caps.draft_bytes = None  # a refused draft model will not be loaded
-    if caps is not None and caps.model_bytes:
-        total = caps.model_bytes + (caps.draft_bytes or 0)
-        warning = hardware.memory_warning(total, profile, caps.name if not caps.draft_bytes
-                                          else f"{caps.name} with its draft model")
-        if warning:
-            _note(warning)
-        hardware.apply_memory_limits(total, profile)
-    if preset is None:
-        return drafter, draft_model, {}
-    if preset == "auto":
-        _note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
-    options = {"gates": chosen.gates}
-    if _flag_given(ctx, "drafter"):
-        if drafter != chosen.drafter:
-            _note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
-        return drafter, draft_model, options
-    if chosen.max_depth:
-        options["max_depth"] = chosen.max_depth
-    if chosen.drafter != "draft" and preset == "auto":
-        draft_model = None  # refused (or not needed): do not load it
-    return chosen.drafter, draft_model, options
-
-
-def _profile_lines(data: dict) -> list[tuple[str, str]]:
-    from .hardware import human_bytes
-
-    tiers = " + ".join(f"{n} {name}" for name, n in data["cpu_core_tiers"].items())
-    cpu = "?" if data["cpu_cores"] is None else f"{data['cpu_cores']} cores" + (f" ({tiers})" if tiers else "")
-    rows = [("chip", data["chip"] or "unknown"), ("cpu", cpu)]
-    if data["gpu"] or data["gpu_cores"]:
-        rows.append(("gpu", f"{data['gpu'] or 'GPU'}" + (f", {data['gpu_cores']} cores" if data["gpu_cores"] else "")))
-    mem = human_bytes(data["memory_bytes"]) + (" unified" if data["os"] == "macOS" else " RAM")
-    if data["working_set_bytes"]:
-        mem += f", recommended working set {human_bytes(data['working_set_bytes'])}"
-    rows.append(("memory", mem))
-    bw = "unknown"
-    if data["bandwidth_gbs"]:
-        bw = f"{data['bandwidth_gbs']:g} GB/s ({data['bandwidth_source']})"
-    rows.append(("bandwidth", bw))
-    rows.append(("os", " ".join(x for x in (data["os"], data["os_version"], data["arch"]) if x) or "unknown"))
-    rows.append(("mlx", f"{data['mlx_version'] or 'not installed'} (default device {data['mlx_device'] or '?'})"))
-    return rows
-
-
-@app.command(help=PROFILE_HELP)
-def profile(
+@app.command(help=TUNE_HELP)
+def tune(
     model: Annotated[Optional[str], typer.Argument(
         metavar="MODEL", show_default=False,
-        help="Also show what --preset auto would choose for this model folder or cached repo id.")] = None,
+        help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
-        "--draft-model", metavar="PATH_OR_REPO", help="A draft model to consider for MODEL.")] = None,
+        "--draft-model", metavar="PATH_OR_REPO",
+        help="Small model sharing MODEL's tokenizer, to tune the draft-model drafter too.")] = None,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", help="Tokens generated per prompt and drafter while measuring acceptance.")] = 96,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print the stored result as JSON instead of tables.")] = False,
+) -> None:
+    with _user_errors():
+        if max_tokens < 1:
+            raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+        from .api import load
+        from .config import resolve_alias
+        from .tune import render, run_tune
+
+        console = _stderr_console()
+        if console.is_terminal:
+            with console.status("loading model…", spinner="dots"):
+                spec = load(resolve_alias(model), draft_model=resolve_alias(draft_model))
+        else:
+            spec = load(resolve_alias(model), draft_model=resolve_alias(draft_model))
+        if console.is_terminal:
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                          console=console, transient=True) as progress:
+                task = progress.add_task("tuning", total=None)
+
+                def on_step(message, done, total):
+                    progress.update(task, description=message, completed=done, total=total)
+
+                result = run_tune(spec, max_tokens=max_tokens, on_step=on_step)
+        else:
+            result = run_tune(spec, max_tokens=max_tokens)
+        if json_out:
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
+            return
+        out = _stdout_console()
+        render(result, out, chart=out.is_terminal and out.encoding.lower().startswith("utf"))
+        _note(f"saved to {result['path']}")
+
+
+# -- the config command ------------------------------------------------------
+
+config_app = typer.Typer(help="Show the effective settings or the config file's path.",
+                         no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+
+@config_app.command("show", help="The effective settings, each with where it came from: "
+                                 "flag, env ($MLXSPEC_*), file (config.toml) or default.")
+def config_show(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     with _user_errors():
-        from . import hardware, presets
+        from .config import SETTINGS, aliases, settings_with_sources
 
-        prof = hardware.detect()
-        data = prof.to_dict()
-        if model is not None or draft_model is not None:
-            caps = presets.model_caps(model, draft_model)
-            chosen, reasons = presets.choose(prof, caps)
-            data["auto"] = {"model": caps.name, "model_bytes": caps.model_bytes,
-                            "has_mtp_head": caps.has_mtp_head, "draft_model": caps.draft_name,
-                            "draft_bytes": caps.draft_bytes, "preset": chosen.name,
-                            "drafter": chosen.drafter, "max_depth": chosen.max_depth,
-                            "gates": chosen.gates, "reasons": reasons}
+        effective = settings_with_sources()
+        table = {name: {"value": value, "source": source, "env": SETTINGS[name][2],
+                        "key": SETTINGS[name][3]} for name, (value, source) in effective.items()}
+        found = aliases()
+        path = user_config_path()
         if json_out:
-            sys.stdout.write(json.dumps(data) + "\n")
+            sys.stdout.write(json.dumps({"file": str(path), "file_exists": path.is_file(),
+                                         "settings": table, "aliases": found}) + "\n")
             return
-        rows = _profile_lines(data)
-        if "auto" in data:
-            rows.append(("auto", f"{data['auto']['preset']} for {data['auto']['model']}: "
-                                 + "; ".join(data["auto"]["reasons"])))
-        for label, value in rows:
-            sys.stdout.write(f"{label:<10} {value}\n")
-        sys.stdout.flush()
+        from rich.table import Table
+
+        view = Table(title=f"settings ({path}{'' if path.is_file() else ', not present'})",
+                     title_justify="left")
+        for col in ("setting", "value", "from", "env / file key"):
+            view.add_column(col)
+        for name, row in table.items():
+            view.add_row(name, "-" if row["value"] is None else str(row["value"]), row["source"],
+                         f"${row['env']} / {row['key']}")
+        for name, ref in found.items():
+            view.add_row(f"alias {name}", ref, "file", f"aliases.{name}")
+        _stdout_console().print(view)
+
+
+@config_app.command("path", help="The config file's path (it may not exist yet).")
+def config_path() -> None:
+    sys.stdout.write(str(user_config_path()) + "\n")
 
 
 # -- the pull, list and rm commands (model cache) ------------------------------
@@ -630,6 +644,114 @@ def remove_model(
                 raise typer.Exit(1)
         plan.execute()
         sys.stdout.write(f"removed {plan.repo_id}, freed {human_size(plan.freed_bytes)}\n")
+        sys.stdout.flush()
+
+
+# -- the profile command and --preset ----------------------------------------
+
+PROFILE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+Show this machine: chip, CPU/GPU cores, memory, MLX's recommended working set, memory bandwidth,
+OS and MLX versions. With MODEL (and --draft-model), also what `--preset auto` would choose for
+it and why.
+""".strip().split("\n\n"))
+
+
+def _flag_given(ctx, name: str) -> bool:
+    """Whether option NAME was typed on the command line (not a default, env or config value)."""
+    try:  # by name: Typer may ship its own copy of click, with its own ParameterSource enum
+        return ctx is not None and getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"
+    except Exception:
+        return False
+
+
+def _prepare_run(preset, model, drafter, draft_model, ctx=None):
+    """Memory warning + wired limit, and --preset -> (drafter, draft_model, extra stream options)."""
+    from . import hardware, presets
+
+    profile = hardware.detect(fast=True)
+    caps = None
+    with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message in load()
+        caps = presets.model_caps(model, draft_model, look_for_mtp=preset == "auto")
+    chosen = reasons = None
+    if preset is not None:
+        chosen, reasons = presets.resolve(preset, profile, caps or presets.ModelCaps(draft_name=draft_model))
+        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
+            caps.draft_bytes = None  # a refused draft model will not be loaded
+    if caps is not None and caps.model_bytes:
+        total = caps.model_bytes + (caps.draft_bytes or 0)
+        warning = hardware.memory_warning(total, profile, caps.name if not caps.draft_bytes
+                                          else f"{caps.name} with its draft model")
+        if warning:
+            _note(warning)
+        hardware.apply_memory_limits(total, profile)
+    if preset is None:
+        return drafter, draft_model, {}
+    if preset == "auto":
+        _note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
+    options = {"gates": chosen.gates}
+    if _flag_given(ctx, "drafter"):
+        if drafter != chosen.drafter:
+            _note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+        return drafter, draft_model, options
+    if chosen.max_depth:
+        options["max_depth"] = chosen.max_depth
+    if chosen.drafter != "draft" and preset == "auto":
+        draft_model = None  # refused (or not needed): do not load it
+    return chosen.drafter, draft_model, options
+
+
+def _profile_lines(data: dict) -> list[tuple[str, str]]:
+    from .hardware import human_bytes
+
+    tiers = " + ".join(f"{n} {name}" for name, n in data["cpu_core_tiers"].items())
+    cpu = "?" if data["cpu_cores"] is None else f"{data['cpu_cores']} cores" + (f" ({tiers})" if tiers else "")
+    rows = [("chip", data["chip"] or "unknown"), ("cpu", cpu)]
+    if data["gpu"] or data["gpu_cores"]:
+        rows.append(("gpu", f"{data['gpu'] or 'GPU'}" + (f", {data['gpu_cores']} cores" if data["gpu_cores"] else "")))
+    mem = human_bytes(data["memory_bytes"]) + (" unified" if data["os"] == "macOS" else " RAM")
+    if data["working_set_bytes"]:
+        mem += f", recommended working set {human_bytes(data['working_set_bytes'])}"
+    rows.append(("memory", mem))
+    bw = "unknown"
+    if data["bandwidth_gbs"]:
+        bw = f"{data['bandwidth_gbs']:g} GB/s ({data['bandwidth_source']})"
+    rows.append(("bandwidth", bw))
+    rows.append(("os", " ".join(x for x in (data["os"], data["os_version"], data["arch"]) if x) or "unknown"))
+    rows.append(("mlx", f"{data['mlx_version'] or 'not installed'} (default device {data['mlx_device'] or '?'})"))
+    return rows
+
+
+@app.command(help=PROFILE_HELP)
+def profile(
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="Also show what --preset auto would choose for this model folder or cached repo id.")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", metavar="PATH_OR_REPO", help="A draft model to consider for MODEL.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    with _user_errors():
+        from . import hardware, presets
+
+        prof = hardware.detect()
+        data = prof.to_dict()
+        if model is not None or draft_model is not None:
+            caps = presets.model_caps(model, draft_model)
+            chosen, reasons = presets.choose(prof, caps)
+            data["auto"] = {"model": caps.name, "model_bytes": caps.model_bytes,
+                            "has_mtp_head": caps.has_mtp_head, "draft_model": caps.draft_name,
+                            "draft_bytes": caps.draft_bytes, "preset": chosen.name,
+                            "drafter": chosen.drafter, "max_depth": chosen.max_depth,
+                            "gates": chosen.gates, "reasons": reasons}
+        if json_out:
+            sys.stdout.write(json.dumps(data) + "\n")
+            return
+        rows = _profile_lines(data)
+        if "auto" in data:
+            rows.append(("auto", f"{data['auto']['preset']} for {data['auto']['model']}: "
+                                 + "; ".join(data["auto"]["reasons"])))
+        for label, value in rows:
+            sys.stdout.write(f"{label:<10} {value}\n")
         sys.stdout.flush()
 
 

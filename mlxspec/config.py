@@ -39,3 +39,112 @@ def default_model() -> str | None:
     if value is not None and not isinstance(value, str):
         raise MlxspecError(f"default_model in {user_config_path()} must be a string")
     return value or None
+
+
+# -- effective settings: CLI flag > $MLXSPEC_* > config file > default -------------------
+
+# name: (type, default, environment variable, place in the config file)
+SETTINGS: dict[str, tuple[type, object, str, str]] = {
+    "default_model": (str, None, DEFAULT_MODEL_ENV, "default_model"),
+    "preset": (str, None, "MLXSPEC_PRESET", "preset"),
+    "drafter": (str, "auto", "MLXSPEC_DRAFTER", "drafter"),
+    "temp": (float, 0.0, "MLXSPEC_TEMP", "sampling.temp"),
+    "top_p": (float, 1.0, "MLXSPEC_TOP_P", "sampling.top_p"),
+    "top_k": (int, 0, "MLXSPEC_TOP_K", "sampling.top_k"),
+    "min_p": (float, 0.0, "MLXSPEC_MIN_P", "sampling.min_p"),
+    "max_tokens": (int, 512, "MLXSPEC_MAX_TOKENS", "sampling.max_tokens"),
+    "host": (str, "127.0.0.1", "MLXSPEC_HOST", "server.host"),
+    "port": (int, 8080, "MLXSPEC_PORT", "server.port"),
+}
+_DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
+_CHECKS = {  # name: (ok, what it must be)
+    "drafter": (lambda v: v in _DRAFTERS, "one of " + ", ".join(_DRAFTERS)),
+    "temp": (lambda v: v >= 0, "0 or more"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, "0 (off) or more"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "port": (lambda v: 1 <= v <= 65535, "between 1 and 65535"),
+}
+
+
+def _typed(name: str, value, where: str, from_text: bool):
+    """``value`` as the setting's type, or a one-line error naming the key and where it was."""
+    kind = SETTINGS[name][0]
+    try:
+        if from_text:  # environment variables are strings
+            value = value.strip()
+            if kind is int:
+                value = int(value)
+            elif kind is float:
+                value = float(value)
+        elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError
+    except ValueError:
+        what = {int: "an integer", float: "a number", str: "a string"}[kind]
+        raise MlxspecError(f"{where} must be {what}, got {value!r}") from None
+    check = _CHECKS.get(name)
+    if check and not check[0](value):
+        raise MlxspecError(f"{where} must be {check[1]}, got {value!r}")
+    return value
+
+
+def _file_value(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def settings_with_sources(cli_values: dict | None = None) -> dict[str, tuple[object, str]]:
+    """Every setting as (value, source), source one of flag, env, file, default.
+
+    ``cli_values`` holds the flags given on the command line; None means not given."""
+    cli_values = cli_values or {}
+    path = user_config_path()
+    data = read_user_config()
+    out: dict[str, tuple[object, str]] = {}
+    for name, (_, default, env, dotted) in SETTINGS.items():
+        if cli_values.get(name) is not None:
+            out[name] = (cli_values[name], "flag")  # flags are checked by the command itself
+            continue
+        text = os.environ.get(env, "")
+        if text.strip():
+            out[name] = (_typed(name, text, f"${env}", from_text=True), "env")
+            continue
+        value = _file_value(data, dotted)
+        if value is not None:
+            out[name] = (_typed(name, value, f"{dotted} in {path}", from_text=False), "file")
+            continue
+        out[name] = (default, "default")
+    for name, value in cli_values.items():  # flags this table does not know pass through
+        if name not in out and value is not None:
+            out[name] = (value, "flag")
+    return out
+
+
+def settings(cli_values: dict | None = None) -> dict:
+    """The effective value of every setting (see :func:`settings_with_sources`)."""
+    return {name: value for name, (value, _) in settings_with_sources(cli_values).items()}
+
+
+def aliases() -> dict[str, str]:
+    """``[aliases]`` from the config file: short name -> model folder or repo id."""
+    table = read_user_config().get("aliases", {})
+    if not isinstance(table, dict):
+        raise MlxspecError(f"aliases in {user_config_path()} must be a table of name = \"model\"")
+    for name, ref in table.items():
+        if not isinstance(ref, str) or not ref.strip():
+            raise MlxspecError(f"aliases.{name} in {user_config_path()} must be a model path or repo id")
+    return dict(table)
+
+
+def resolve_alias(ref: str | None) -> str | None:
+    """A model alias from the config file -> what it stands for; anything else unchanged."""
+    if ref is None:
+        return None
+    return aliases().get(ref, ref)
