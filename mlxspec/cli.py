@@ -108,6 +108,25 @@ def _split_positionals(model: Optional[str], prompt: Optional[str]):
     return model, prompt
 
 
+def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
+    """An alias (config.toml's [aliases], then the catalog) -> its repo id, downloaded on first
+    use after asking (or with --yes). Anything else is returned unchanged."""
+    from . import hub
+    from .models.loader import is_model_ref
+
+    repo = hub.resolve_alias(ref) if ref else None
+    if repo is None:
+        return ref
+    if not is_model_ref(repo):
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"'{ref}' is {repo}, not downloaded yet: run `mlxspec pull {ref}` or pass --yes")
+            if not typer.confirm(f"'{ref}' is {repo}, not downloaded yet; download it now?", default=True):
+                raise typer.Exit(1)
+        _pull_with_progress(repo, None, True)
+    return repo
+
+
 def _read_stdin() -> str:
     text = sys.stdin.read().rstrip("\r\n")
     if not text.strip():
@@ -302,9 +321,11 @@ def run(
         "--json", help="Print one JSON object {text, tokens, stats} instead of streaming text.")] = False,
     no_stats: Annotated[bool, typer.Option(
         "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")] = False,
+    yes: Annotated[bool, typer.Option(
+        "--yes", "-y", help="Download an aliased model (e.g. qwen3-8b) without asking.")] = False,
 ) -> None:
     with _user_errors():
-        from .config import resolve_alias, settings
+        from .config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -312,7 +333,8 @@ def run(
         drafter, temp, top_p, top_k, min_p, max_tokens, preset = (
             given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset"))
         _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
-        model, prompt = _split_positionals(resolve_alias(model), prompt)
+        model = _aliased_model(model, yes)
+        model, prompt = _split_positionals(model, prompt)
         drafter, draft_model, preset_options = _prepare_run(preset, model, drafter, draft_model, ctx)
         chat = prompt is None and sys.stdin.isatty()
         if chat and json_out:
@@ -437,15 +459,15 @@ def tune(
         if max_tokens < 1:
             raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
         from .api import load
-        from .config import resolve_alias
+        from .hub import expand_alias
         from .tune import render, run_tune
 
         console = _stderr_console()
         if console.is_terminal:
             with console.status("loading model…", spinner="dots"):
-                spec = load(resolve_alias(model), draft_model=resolve_alias(draft_model))
+                spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
         else:
-            spec = load(resolve_alias(model), draft_model=resolve_alias(draft_model))
+            spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

@@ -141,10 +141,3 @@ def aliases() -> dict[str, str]:
         if not isinstance(ref, str) or not ref.strip():
             raise MlxspecError(f"aliases.{name} in {user_config_path()} must be a model path or repo id")
     return dict(table)
-
-
-def resolve_alias(ref: str | None) -> str | None:
-    """A model alias from the config file -> what it stands for; anything else unchanged."""
-    if ref is None:
-        return None
-    return aliases().get(ref, ref)

@@ -67,9 +67,20 @@ def catalog() -> dict[str, CatalogEntry]:
 
 
 def resolve_alias(name: str) -> str | None:
-    """The repo id behind a catalog alias (case-insensitive), or None when ``name`` is not one."""
+    """What an alias stands for: the user's own (``[aliases]`` in config.toml) first, then the
+    catalog's (case-insensitive); None when ``name`` is not an alias."""
+    from .config import aliases
+
+    own = aliases().get(name)
+    if own:
+        return own
     entry = catalog().get(name.strip().lower())
     return entry.repo if entry else None
+
+
+def expand_alias(ref: str | None) -> str | None:
+    """An alias becomes what it stands for; anything else (None included) is returned as is."""
+    return (resolve_alias(ref) or ref) if ref else ref
 
 
 def draft_for(name: str) -> str | None:

@@ -274,3 +274,18 @@ def test_drafter_names_match_the_api():
     from mlxspec import api
 
     assert cli.DRAFTERS == api.DRAFTERS
+
+
+def test_run_resolves_aliases(env, tiny_qwen3, tmp_path):
+    """A user alias from config.toml names a local model; a catalog alias that is not
+    downloaded is refused in one line when nothing can ask (no terminal, no --yes)."""
+    config_dir = tmp_path / "xdg-config" / "mlxspec"
+    config_dir.mkdir(parents=True)
+    (config_dir / "config.toml").write_text(f'[aliases]\nmine = "{tiny_qwen3}"\n')
+    env = dict(env, XDG_CONFIG_HOME=str(tmp_path / "xdg-config"), HF_HUB_OFFLINE="1",
+               HF_HUB_CACHE=str(tmp_path / "empty-cache"))
+    proc = mlxspec_cmd(env, "run", "mine", "hi", "--json", "--max-tokens", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["tokens"]) == 3
+    proc = mlxspec_cmd(env, "run", "qwen3-0.6b", "hi", "--max-tokens", "3")
+    assert_one_line_error(proc, 2, "not downloaded yet", "mlxspec pull qwen3-0.6b")

@@ -5,6 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from mlxspec import hub
 from mlxspec import cli, config
 from mlxspec.errors import MlxspecError
 
@@ -37,7 +38,7 @@ def test_precedence_flag_env_file_default(cfg, monkeypatch):
     assert got["port"] == (9000, "file")
     assert got["top_p"] == (1.0, "default")
     assert config.settings()["max_tokens"] == 128
-    assert config.resolve_alias("q") == "some/repo" and config.resolve_alias("x") == "x"
+    assert hub.expand_alias("q") == "some/repo" and hub.expand_alias("x") == "x"
 
 
 def test_config_show_json_and_path(cfg, monkeypatch):
