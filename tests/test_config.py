@@ -104,10 +104,10 @@ def test_bad_values_are_one_line(cfg, monkeypatch, text, env, fragment):
 
 
 def test_preset_from_the_file_reaches_run(cfg, monkeypatch):
-    if not hasattr(cli, "_prepare_run"):
-        pytest.skip("run has no --preset in this tree")
+    from mlxspec import cli_machine
+
     seen = []
-    monkeypatch.setattr(cli, "_prepare_run", lambda preset, model, drafter, draft_model, *rest:
+    monkeypatch.setattr(cli_machine, "_prepare_run", lambda preset, model, drafter, draft_model, *rest:
                         seen.append(preset) or (drafter, draft_model, {}))
     monkeypatch.setattr("mlxspec.api.load", lambda *a, **k: (_ for _ in ()).throw(MlxspecError("stop")))
     cfg.write_text('preset = "pld"\n')
