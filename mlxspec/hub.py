@@ -313,6 +313,10 @@ def pull(ref: str, *, revision: str | None = None, include_mtp: bool = True,
         if on_start:
             on_start(len(todo), total)
         tqdm_class = _progress_class(on_total or (lambda n: None), on_bytes or (lambda n: None))
+        for f in todo:
+            _fetch_blob(repo_id, f.filename, commit, tqdm_class)
+        # every blob is in place now: this only links them into the snapshot (and fetches
+        # anything the loop could not, e.g. Xet-only files, its own way)
         path = Path(_snapshot(repo_id, revision=rev, allow_patterns=allow, ignore_patterns=ignore,
                               tqdm_class=tqdm_class))
     except MlxspecError:
@@ -330,6 +334,39 @@ def pull(ref: str, *, revision: str | None = None, include_mtp: bool = True,
     config = _check_folder(path, repo_id)
     return PullResult(repo_id, rev, path.name, path, len(todo), total, sum(f.file_size or 0 for f in plan),
                       config, already_cached=not todo)
+
+
+def _fetch_blob(repo_id: str, filename: str, commit: str | None, tqdm_class) -> None:
+    """Download one file into the cache's blob store, resumably.
+
+    huggingface_hub writes to a process-unique temporary file and drops it on failure, so an
+    interrupted pull (Ctrl-C, a lost connection) would restart every half-done file. Here the
+    bytes go to ``blobs/<etag>.partial``, kept across runs and continued with a Range request;
+    the finished blob is renamed into place, where ``snapshot_download`` finds and links it.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(repo_id, filename, revision=commit, endpoint=endpoint())
+    meta = get_hf_file_metadata(url, endpoint=endpoint())
+    if not meta.etag:
+        return  # let snapshot_download deal with it
+    blobs = hf_cache_dir() / repo_folder_name(repo_id=repo_id, repo_type="model") / "blobs"
+    blob = blobs / meta.etag
+    if blob.exists():
+        return
+    blobs.mkdir(parents=True, exist_ok=True)
+    partial = blobs / f"{meta.etag}.partial"
+    done = partial.stat().st_size if partial.exists() else 0
+    if meta.size is not None and done > meta.size:  # not the file we think: start over
+        partial.unlink()
+        done = 0
+    if meta.size is None or done < meta.size:
+        with open(partial, "ab") as out:
+            http_get(meta.location, out, resume_size=done, headers=build_hf_headers(),
+                     expected_size=meta.size, displayed_filename=filename, tqdm_class=tqdm_class)
+    partial.replace(blob)
 
 
 def _is_connection_error(err: BaseException) -> bool:

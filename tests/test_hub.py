@@ -234,3 +234,43 @@ def test_pull_alias(fake_hub, tiny_qwen3, monkeypatch):
     fake_hub.add_folder(REPO, tiny_qwen3)
     result = invoke("pull", "tiny")
     assert result.exit_code == 0 and REPO in result.stdout
+
+
+def test_ctrl_c_mid_file_resumes_from_the_bytes_on_disk(fake_hub, tiny_qwen3, monkeypatch):
+    """Ctrl-C halfway through a file leaves its bytes on disk; the next pull asks only for the rest."""
+    import huggingface_hub.constants as constants
+    import huggingface_hub.file_download as fd
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 * 1024)
+    fake_hub.add_folder(REPO, tiny_qwen3)
+    size = (tiny_qwen3 / "model.safetensors").stat().st_size
+    real_http_get = fd.http_get
+
+    class StopHalfway:
+        def __init__(self, out):
+            self.out, self.written = out, 0
+
+        def write(self, data):
+            self.out.write(data)
+            self.written += len(data)
+            if self.written >= size // 2:
+                raise KeyboardInterrupt
+
+        def __getattr__(self, name):
+            return getattr(self.out, name)
+
+    def interrupted(url, out, **kw):
+        if kw.get("displayed_filename") == "model.safetensors":
+            out = StopHalfway(out)
+        return real_http_get(url, out, **kw)
+
+    monkeypatch.setattr(fd, "http_get", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hub.pull(REPO)
+    monkeypatch.setattr(fd, "http_get", real_http_get)
+    result = invoke("pull", REPO)
+    assert result.exit_code == 0, result.output
+    resumed = fake_hub.gets("model.safetensors")[-1]
+    assert int(resumed["range"].split("=")[1].split("-")[0]) >= size // 2  # not from zero
+    path = hub.pull(REPO).path
+    assert (path / "model.safetensors").read_bytes() == (tiny_qwen3 / "model.safetensors").read_bytes()
