@@ -156,6 +156,13 @@ class SpecModel:
             gates=gates,
             cost=cost,
         )
+        if cost is not None and decoder.drafter is not None:
+            from .tune import stored_draft_cost
+
+            # `mlxspec tune` timed this drafter's step here: better than the weight-bytes guess
+            tuned = stored_draft_cost(self.target, decoder.drafter.name, self.draft)
+            if tuned is not None:
+                decoder.drafter.cost_per_token = tuned
         detok = self.tokenizer.detokenizer
         detok.reset()
         stats = None

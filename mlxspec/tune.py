@@ -141,6 +141,18 @@ def stored_cost(loaded):
     return CostModel(curve=curve, measured=True)
 
 
+def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
+    """The stored cost of one draft step of ``drafter``, or None. A draft model's cost only
+    counts when it was tuned with this same draft model."""
+    data = load_result(loaded) or {}
+    if drafter == "draft":
+        tuned = data.get("draft_model") or {}
+        if draft is None or tuned.get("key") != model_info(draft)["key"]:
+            return None
+    value = (data.get("draft_cost") or {}).get(drafter)
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
+
+
 # -- prompts -------------------------------------------------------------------------
 
 _CODE = '''import json

@@ -56,6 +56,17 @@ def test_tune_with_draft_model_stores_and_is_read_back(dirs, tiny_qwen3, tiny_qw
     assert cost.measured and cost.curve == {int(n): c for n, c in stored["verify_cost"].items()}
     out = again.generate("hello", max_tokens=4, drafter="pld")
     assert out.stats.cost_model == "measured"
+    # the tuned draft-step cost replaces the weight-bytes estimate, for the tuned pair only
+    from mlxspec.engine.drafters.draft_model import DraftModelDrafter
+
+    costs = []
+    original = DraftModelDrafter.propose
+    monkeypatch.setattr(DraftModelDrafter, "propose",
+                        lambda self, *a: costs.append(self.cost_per_token) or original(self, *a))
+    paired = load(str(tiny_qwen3), draft_model=str(tiny_qwen3_draft))
+    paired.generate("hello", max_tokens=4, drafter="draft", gates=False)  # draft whatever the costs
+    assert costs and costs[0] == stored["draft_cost"]["draft"]
+    assert tune.stored_draft_cost(paired.target, "draft", None) is None
 
 
 def test_tune_mtp_head(dirs, tiny_qwen3_5):
