@@ -62,6 +62,7 @@ class SpecModel:
 
             self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size)
         return self._cost
+
     def mtp_head(self):
         """The checkpoint's native MTP head (read on first use), or None; and why not."""
         if self._mtp is None:

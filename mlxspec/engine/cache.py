@@ -178,11 +178,7 @@ class ModelState:
             m = length - seg.start
             for gdn, c, before, tape in zip(self._taped, self._arrays, seg.arrays, seg.tapes):
                 c.cache = list(gdn.replay(tape, before[1], m))
-            for c in self._trimmable:
-                c.trim(self.length - length)
-            for c in self._rotating:
-                _trim_rotating(c, self.length - length)
-            self.length = length
+            self._trim_all(self.length - length)
             return
         # Restore the state from before the segment holding position `length`, then re-feed
         # the part of that segment that is kept.

@@ -10,15 +10,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...models.mtp.head import MTPHead
+from ..cache import model_nbytes
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, sample_chain
-
-
-def _nbytes(module) -> int:
-    from mlx.utils import tree_flatten
-
-    params = module.parameters() if hasattr(module, "parameters") else {}
-    return sum(v.nbytes for _, v in tree_flatten(params))
 
 
 class MTPDrafter(Drafter):
@@ -31,7 +25,7 @@ class MTPDrafter(Drafter):
         # One draft step runs the head's block and an lm_head: the trunk's, unless the head
         # ships its own (NextN shared_head.head, already counted in head.nbytes).
         shared = getattr(getattr(head.module, "shared_head", None), "head", None) is None
-        lm_bytes = _nbytes(getattr(head.trunk.head, "__self__", head.trunk.head)) if shared else 0
+        lm_bytes = model_nbytes(getattr(head.trunk.head, "__self__", head.trunk.head)) if shared else 0
         if target_nbytes:
             self.cost_per_token = 0.05 + (head.nbytes + lm_bytes) / target_nbytes
         else:
