@@ -53,6 +53,11 @@ def _root(
 # -- small helpers -----------------------------------------------------------
 
 
+def _help(text: str) -> str:
+    """Command help written as indented paragraphs -> one line per paragraph, for Typer."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in text.strip().split("\n\n"))
+
+
 def _error(message: str) -> None:
     color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
     label = "\x1b[1;31merror:\x1b[0m" if color else "error:"
@@ -260,7 +265,7 @@ def _chat(spec, options: dict, show_stats: bool, live: bool) -> None:
 # -- the run command ---------------------------------------------------------
 
 # paragraphs are unwrapped here: Typer's rich help keeps single newlines as line breaks
-RUN_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+RUN_HELP = _help("""
 Generate text with MODEL, speculatively: the output is exactly what MODEL alone would write.
 
 MODEL is a local folder or a Hugging Face repo id already in the local cache. Without it the
@@ -271,7 +276,7 @@ PROMPT for the default model.
 
 Without PROMPT the prompt is read from stdin when stdin is piped; on a terminal an
 interactive chat starts (/reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D quits).
-""".strip().split("\n\n")).format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
+""").format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
 
 
 @app.command(help=RUN_HELP, no_args_is_help=False)

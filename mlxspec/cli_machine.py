@@ -10,13 +10,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import _note, _stderr_console, _stdout_console, _user_errors, app
+from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app
 from .config import user_config_path
 from .errors import MlxspecError, UsageError
 
 # -- the convert command -----------------------------------------------------
 
-CONVERT_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+CONVERT_HELP = _help("""
 Convert the Hugging Face checkpoint HF_PATH to MLX in OUT, keeping its MTP head.
 
 The trunk goes through mlx-lm's own converter (same weights, config and tokenizer files as
@@ -24,7 +24,7 @@ The trunk goes through mlx-lm's own converter (same weights, config and tokenize
 as OUT/mtp.safetensors, which `mlxspec run OUT --drafter mtp` uses. HF_PATH is a local folder
 or a repo id already in the local Hugging Face cache (nothing is downloaded). A checkpoint
 without a head is converted all the same.
-""".strip().split("\n\n"))
+""")
 
 
 @app.command(help=CONVERT_HELP)
@@ -75,7 +75,7 @@ def convert(
 
 # -- the tune command --------------------------------------------------------
 
-TUNE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+TUNE_HELP = _help("""
 Measure on this machine what speculation costs and gains with MODEL, and store it.
 
 It times a verify forward of 1 to 16 tokens and one draft step of each drafter (prompt lookup,
@@ -84,7 +84,7 @@ built-in prompts (a code edit, code completion, prose) to measure acceptance per
 position, and picks the depth with the best expected speed per drafter. The result is stored
 per machine and model (the path is printed at the end); `run` then
 uses the stored cost curve instead of measuring it at load.
-""".strip().split("\n\n"))
+""")
 
 
 @app.command(help=TUNE_HELP)
@@ -181,7 +181,7 @@ def config_path() -> None:
 
 # -- the pull, list and rm commands (model cache) ------------------------------
 
-PULL_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+PULL_HELP = _help("""
 Download MODEL into the Hugging Face cache, where `mlxspec run`, mlx-lm and other tools find it.
 
 MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxspec list
@@ -189,7 +189,7 @@ MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxs
 and, unless --no-include-mtp, an MTP head sidecar. Files already cached are skipped, so running
 the command again after an interruption finishes the download. HF_HOME, HF_HUB_CACHE, HF_TOKEN,
 HF_ENDPOINT and HF_HUB_OFFLINE are honoured.
-""".strip().split("\n\n"))
+""")
 
 
 def _pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
@@ -316,11 +316,11 @@ def remove_model(
 
 # -- the profile command and --preset ----------------------------------------
 
-PROFILE_HELP = "\n\n".join(" ".join(paragraph.split()) for paragraph in """
+PROFILE_HELP = _help("""
 Show this machine: chip, CPU/GPU cores, memory, MLX's recommended working set, memory bandwidth,
 OS and MLX versions. With MODEL (and --draft-model), also what `--preset auto` would choose for
 it and why.
-""".strip().split("\n\n"))
+""")
 
 
 def _flag_given(ctx, name: str) -> bool:

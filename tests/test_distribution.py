@@ -5,7 +5,6 @@ test rejecting a deliberately biased acceptance rule, so a pass means something.
 """
 
 from collections import Counter
-from itertools import product
 
 import mlx.core as mx
 import mlx_lm

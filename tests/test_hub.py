@@ -7,7 +7,6 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxspec import cli, hub
-from mlxspec.models import tiny
 
 from fake_hub import FakeHub
 

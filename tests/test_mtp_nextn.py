@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import InvalidCheckpointError
-from mlxspec.models import tiny, tiny_mtp
+from mlxspec.models import tiny_mtp
 from mlxspec.models.mtp.head import MTPHead, load_mtp_head, split_trunk
 from mlxspec.models.mtp.nextn import NextNHead
 
