@@ -20,43 +20,15 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
 from mlx_lm import stream_generate
-from mlx_lm.models import qwen3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.api import SpecModel  # noqa: E402
 from mlxspec.models import tiny  # noqa: E402
 from mlxspec.models.loader import LoadedModel  # noqa: E402
 
-SHAPES = {
-    # hidden, layers, heads, kv heads, intermediate (Qwen3 family shapes)
-    "smoke": (256, 2, 4, 2, 512),  # for a quick local check only
-    "qwen3-0.6b": (1024, 28, 16, 8, 3072),
-    "qwen3-1.7b": (2048, 28, 16, 8, 6144),
-    "qwen3-8b": (4096, 36, 32, 8, 12288),
-}
-
-
-def random_model(shape: str, vocab: int, bits: int) -> nn.Module:
-    hidden, layers, heads, kv, inter = SHAPES[shape]
-    args = qwen3.ModelArgs(
-        model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-        num_attention_heads=heads, num_key_value_heads=kv, rms_norm_eps=1e-6, vocab_size=vocab,
-        max_position_embeddings=32768, rope_theta=1e6, head_dim=max(64, hidden // heads), tie_word_embeddings=False,
-    )
-    model = qwen3.Model(args)
-    mx.random.seed(0)
-    model.update(tree_map(
-        lambda p: (mx.random.normal(p.shape, dtype=mx.bfloat16) * 0.05) if p.ndim > 1 else mx.ones(p.shape, mx.bfloat16),
-        model.parameters(),
-    ))
-    if bits:
-        nn.quantize(model, group_size=64, bits=bits)
-    for _, v in tree_flatten(model.parameters()):
-        mx.eval(v)
-    return model
+# the random-weight models of real shapes live in the package (also used by `mlxspec bench --sweep`)
+from mlxspec.models.synthetic import random_model  # noqa: E402
 
 
 def decode_tps(stamps: list[float]) -> float:

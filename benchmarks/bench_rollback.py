@@ -19,36 +19,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import qwen3_5
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.engine.cache import ModelState  # noqa: E402
 
-SHAPES = {
-    "smoke": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                  linear_key_head_dim=64, linear_value_head_dim=64),
-    "qwen3.5-9b-like": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
-                            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-                            linear_num_key_heads=16, linear_num_value_heads=32,
-                            linear_key_head_dim=128, linear_value_head_dim=128),
-}
+from mlxspec.models.synthetic import random_model  # noqa: E402
 
 
 def random_hybrid(shape: str, bits: int) -> nn.Module:
-    tc = dict(model_type="qwen3_5_text", vocab_size=32000, full_attention_interval=4,
-              rms_norm_eps=1e-6, linear_conv_kernel_dim=4, tie_word_embeddings=False, **SHAPES[shape])
-    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=tc))
-    mx.random.seed(0)
-    model.update(tree_map(
-        lambda p: mx.random.normal(p.shape, dtype=mx.bfloat16) * 0.02 if p.ndim > 1 else mx.ones(p.shape, mx.bfloat16),
-        model.parameters()))
-    if bits:
-        nn.quantize(model, group_size=64, bits=bits)
-    for _, v in tree_flatten(model.parameters()):
-        mx.eval(v)
-    return model
+    return random_model(shape, vocab=32000, bits=bits)
 
 
 def timed(fn) -> float:

@@ -1,0 +1,119 @@
+"""Random-weight models in the shapes of real checkpoints, for timing forwards.
+
+A forward costs the same whatever the weights are, so a random model of a real shape measures
+what that checkpoint's decode and verify steps cost without downloading it. Weights are made
+directly in bfloat16 and quantized one decoder layer at a time, each layer evaluated before the
+next is made, so even the 27B shape needs little more than its quantized size in memory.
+
+Used by ``mlxspec bench --sweep`` and the scripts in ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+# Dense Qwen3 shapes: hidden, layers, heads, kv heads, intermediate, head_dim, vocab, tied
+# embeddings (the real checkpoints' config.json values).
+DENSE = {
+    "smoke": (256, 2, 4, 2, 512, 64, 1024, False),  # a quick check on a CPU
+    "qwen3-0.6b": (1024, 28, 16, 8, 3072, 128, 151936, True),
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144, 128, 151936, True),
+    "qwen3-8b": (4096, 36, 32, 8, 12288, 128, 151936, False),
+}
+
+# Qwen3.5 / 3.6 hybrids (qwen3_5: 3 of every 4 layers GatedDeltaNet, the 4th full attention).
+# qwen3.6-27b is Qwen3.6-27B's text_config (as published for Qwen3.5-27B / nvidia's
+# Qwen3.6-27B-NVFP4). qwen3.5-9b-like: the published Qwen3.5-9B attention and MLP sizes
+# (hidden 4096, 16 heads of 256, 4 kv heads, intermediate 12288); its layer count and
+# linear-attention heads are the family's pattern, not read from its config.
+_HYBRID_COMMON = dict(full_attention_interval=4, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                      linear_key_head_dim=128, linear_value_head_dim=128)
+HYBRID = {
+    "smoke-hybrid": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                         linear_value_head_dim=64, vocab_size=1024, tie_word_embeddings=False),
+    "qwen3.5-9b-like": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
+                            num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                            linear_num_key_heads=16, linear_num_value_heads=32,
+                            vocab_size=248320, tie_word_embeddings=False),
+    "qwen3.6-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
+                        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        linear_num_key_heads=16, linear_num_value_heads=48,
+                        vocab_size=248320, tie_word_embeddings=False),
+}
+SHAPES = tuple(DENSE) + tuple(HYBRID)
+
+
+def shape_config(shape: str, vocab: int | None = None) -> dict:
+    """The mlx-lm config (``model_type`` + fields) of a named shape."""
+    if shape in DENSE:
+        hidden, layers, heads, kv, inter, head_dim, n_vocab, tied = DENSE[shape]
+        return dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers,
+                    intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                    head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=vocab or n_vocab,
+                    max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=tied)
+    if shape in HYBRID:
+        text = {**_HYBRID_COMMON, **HYBRID[shape], "model_type": "qwen3_5_text"}
+        if vocab:
+            text["vocab_size"] = vocab
+        text["rope_parameters"] = {"type": "default", "mrope_section": [11, 11, 10],
+                                   "rope_theta": 10000000, "partial_rotary_factor": 0.25}
+        return dict(model_type="qwen3_5", text_config=text)
+    raise KeyError(shape)
+
+
+def vocab_size(shape: str) -> int:
+    config = shape_config(shape)
+    return config.get("text_config", config)["vocab_size"]
+
+
+def _fill(path: str, p: mx.array, scale: float) -> mx.array:
+    if path.endswith("A_log"):
+        return mx.zeros(p.shape, mx.float32)  # kept in float32 like real checkpoints; A = -1
+    if p.ndim > 1:
+        return mx.random.normal(p.shape, dtype=mx.bfloat16) * scale
+    return mx.ones(p.shape, mx.bfloat16)  # norms
+
+
+def _randomize(module: nn.Module, scale: float, skip_layers: bool = False) -> None:
+    """Replace ``module``'s parameters by random bf16 ones (all but the decoder layers' if
+    ``skip_layers``); nothing is evaluated here."""
+    flat = [(k, v) for k, v in tree_flatten(module.parameters())
+            if not (skip_layers and ".layers." in "." + k)]
+    module.update(tree_unflatten([(k, _fill(k, v, scale)) for k, v in flat]))
+
+
+def _quantizable(group_size: int):
+    # mlx-lm's rule: layers with to_quantized() whose rows split into whole groups
+    return lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+
+
+def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size: int = 64,
+                 seed: int = 0) -> nn.Module:
+    """A model of ``shape`` (see :data:`SHAPES`) with random bf16 weights, quantized to ``bits``
+    (0: none), every array evaluated. ``vocab`` overrides the shape's vocabulary size."""
+    config = shape_config(shape, vocab)
+    if config["model_type"] == "qwen3":
+        from mlx_lm.models import qwen3
+
+        model, scale = qwen3.Model(qwen3.ModelArgs(**config)), 0.05
+    else:
+        from mlx_lm.models import qwen3_5
+
+        model, scale = qwen3_5.Model(qwen3_5.ModelArgs(**config)), 0.02
+    # Nothing above is evaluated (MLX is lazy): the float32 initial values are replaced before
+    # they exist. Layer by layer: bf16 weights, quantized, evaluated, then the next layer.
+    mx.random.seed(seed)
+    for layer in model.layers:
+        _randomize(layer, scale)
+        if bits:
+            nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+        mx.eval(layer.parameters())
+    _randomize(model, scale, skip_layers=True)  # embeddings, final norm, LM head
+    if bits:  # the layers' linears are quantized already and are left alone
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+    mx.eval(model.parameters())
+    return model
