@@ -286,6 +286,7 @@ def convert_checkpoint(
     ``q_bits``, 0: unquantized head. Raises :class:`MlxspecError` with a one-line message."""
     from .loader import check_checkpoint, resolve_model
     from .mtp.weights import find_mtp_weights
+    from .qwen_norms import needs_norm_shift, shift_saved_norms
 
     step = on_step or (lambda _message: None)
     head_bits = _check_options(q_bits, q_group_size, dtype, mtp_bits)
@@ -317,6 +318,8 @@ def convert_checkpoint(
         what = f"quantizing to {q_bits}-bit" if q_bits else (conv_dtype or "keeping dtypes")
         step(f"converting the trunk with mlx-lm ({what})")
         _convert_trunk(source_path, staging, q_bits, q_group_size, dtype)
+        if needs_norm_shift(source_path, config):
+            shift_saved_norms(staging)
         if weights is None:
             result.notes.append("no MTP head found; converted the trunk only")
         else:

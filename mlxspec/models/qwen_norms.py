@@ -1,0 +1,65 @@
+"""Zero-centred RMSNorms of attention-only Qwen3.5 checkpoints, which mlx-lm leaves unshifted.
+
+Hugging Face Qwen3.5 checkpoints store RMSNorm weights as offsets (``y = norm(x) * (1 + w)``).
+mlx-lm's ``qwen3_5.sanitize`` adds the 1 only when it sees an unconverted GatedDeltaNet
+``conv1d.weight``; a config with ``full_attention_interval: 1`` (every layer full attention: the
+mini-attn benchmark model) has none, so mlx-lm would load its norms as gains near 0. Such a
+checkpoint is still recognisable as raw by its Hugging Face key names
+(``model.language_model.*``; mlx-lm saves ``language_model.model.*``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                 ".k_norm.weight", "model.norm.weight")
+_FAMILY = ("qwen3_5", "qwen3_5_moe")
+
+
+def _safetensors_keys(path: Path) -> list[str]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__"]
+
+
+def _attention_only(config: dict) -> bool:
+    text = config.get("text_config") or config
+    types = text.get("layer_types")
+    if types:
+        return "linear_attention" not in types
+    return text.get("full_attention_interval") == 1
+
+
+def needs_norm_shift(path: Path, config: dict) -> bool:
+    """A raw (Hugging Face layout) Qwen3.5 checkpoint without GatedDeltaNet layers."""
+    if config.get("model_type") not in _FAMILY or not _attention_only(config):
+        return False
+    files = sorted(Path(path).glob("model*.safetensors"))
+    return any(k.startswith("model.language_model.") for f in files for k in _safetensors_keys(f))
+
+
+def is_trunk_norm(name: str) -> bool:
+    return name.endswith(NORM_SUFFIXES) and ".mtp." not in f".{name}"
+
+
+def shift_loaded_norms(model) -> None:
+    """Add the 1 mlx-lm's sanitize skipped to a loaded model's trunk norms."""
+    from mlx.utils import tree_flatten
+
+    updates = [(k, v + 1.0) for k, v in tree_flatten(model.parameters()) if is_trunk_norm(k) and v.ndim == 1]
+    model.load_weights(updates, strict=False)
+
+
+def shift_saved_norms(folder: Path) -> None:
+    """The same fix on a checkpoint mlx-lm's convert wrote (its sanitize skipped the 1 too)."""
+    import mlx.core as mx
+
+    for f in sorted(Path(folder).glob("model*.safetensors")):
+        arrays, meta = mx.load(str(f), return_metadata=True)
+        arrays = {k: (v + 1.0).astype(v.dtype) if is_trunk_norm(k) and v.ndim == 1 else v
+                  for k, v in arrays.items()}
+        mx.save_safetensors(str(f), arrays, metadata=meta)
