@@ -21,23 +21,35 @@ from .gates import CostModel
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # verify widths of depths 0-8, then sparser
 
 
+def verify_times(
+    model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256,
+    warmup_each: bool = False,
+) -> dict[int, list[float]]:
+    """Seconds of each of ``reps`` forwards of n tokens over a warm cache of ``context``
+    tokens, per width n (the cache is rolled back after each). One untimed 1-token forward
+    warms up first; ``warmup_each`` adds an untimed forward before every width's reps."""
+    state = ModelState(model)
+    state.prefill([(7 * i) % vocab for i in range(context)])
+    times: dict[int, list[float]] = {}
+    for n in (1,) + tuple(widths):  # the first 1-token run warms up
+        tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
+        samples = []
+        for rep in range(reps + warmup_each):
+            t0 = time.perf_counter()
+            mx.eval(state.forward(tokens))
+            if rep >= warmup_each:
+                samples.append(time.perf_counter() - t0)
+            state.rollback_to(context)
+            state.commit()
+        times[n] = samples
+    return times
+
+
 def measure_verify_cost(
     model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256
 ) -> CostModel:
     """Time forwards of each width over a warm cache of ``context`` tokens (a second or two
     on a large model); widths in between are interpolated by :class:`CostModel`."""
-    state = ModelState(model)
-    state.prefill([(7 * i) % vocab for i in range(context)])
-    times: dict[int, float] = {}
-    for n in (1,) + tuple(widths):  # the first 1-token run warms up
-        tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            mx.eval(state.forward(tokens))
-            samples.append(time.perf_counter() - t0)
-            state.rollback_to(context)
-            state.commit()
-        times[n] = statistics.median(samples)
+    times = {n: statistics.median(s) for n, s in verify_times(model, widths, context, reps, vocab).items()}
     base = times[1]
     return CostModel(curve={n: t / base for n, t in times.items()}, measured=True)

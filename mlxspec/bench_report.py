@@ -1,0 +1,211 @@
+"""What ``mlxspec bench`` writes: the JSON document (every raw number, medians, environment),
+Rich tables and a matplotlib bar chart. Tables and chart are made from the JSON alone, so
+``mlxspec bench --from-json results.json --png chart.png`` redraws a saved run."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .bench import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
+from .errors import MlxspecError, UsageError
+
+PNG_HINT = 'the chart needs matplotlib: pip install "mlxspec[bench]"'
+
+
+def environment() -> dict:
+    """Versions, device and the exact command line of this process."""
+    import mlx.core as mx
+
+    from . import __version__
+
+    try:
+        import mlx_lm
+
+        mlx_lm_version = mlx_lm.__version__
+    except (ImportError, AttributeError):
+        mlx_lm_version = None
+    try:
+        info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float, bool))}
+    except Exception:  # not every backend describes its device
+        info = {}
+    return {
+        "mlxspec": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
+        "device": str(mx.default_device()), "device_info": info,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "command": _command_line(), "argv": list(sys.argv), "executable": sys.executable,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py"):  # python -m mlxspec
+        argv[:1] = [Path(sys.executable).name, "-m", "mlxspec"]
+    elif argv:
+        argv[0] = Path(argv[0]).name
+    return shlex.join(argv)
+
+
+def _model_info(loaded) -> dict | None:
+    if loaded is None:
+        return None
+    cfg = loaded.config
+    text = cfg.get("text_config") or {}
+    return {"name": loaded.name, "path": str(loaded.path), "model_type": cfg.get("model_type"),
+            "quantization": cfg.get("quantization") or text.get("quantization")}
+
+
+def bench_document(bench, result: dict) -> dict:
+    """The JSON of an engine benchmark: config, workloads, engines, passes (raw runs + results)."""
+    o = bench.options
+    engines = {e: {"status": "ok", "what": ENGINE_HELP[e]} for e in bench.engines}
+    engines.update({e: {"status": "skipped", "reason": why, "what": ENGINE_HELP[e]}
+                    for e, why in bench.skipped.items()})
+    return {
+        "schema": SCHEMA, "kind": "bench", "environment": environment(),
+        "model": _model_info(bench.spec.target), "draft_model": _model_info(bench.spec.draft),
+        "config": {"reps": o.reps, "draft_depth": o.draft_depth, "depth": o.depth,
+                   "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed},
+        "workloads": {w.name: {"file": str(w.path), "prompts": [
+            {"id": p.id, "prompt_tokens": len(p.ids), "max_tokens": p.max_tokens} for p in w.prompts]}
+            for w in bench.workloads},
+        "engines": engines,
+        **result,
+    }
+
+
+def sweep_document(sweep: dict) -> dict:
+    return {"schema": SCHEMA, "kind": "sweep", "environment": environment(), "sweep": sweep}
+
+
+def write_json(doc: dict, path: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+
+
+def read_json(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"--from-json: no file '{path}'") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MlxspecError(f"--from-json: '{path}' is not a bench JSON file ({err})") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep"):
+        raise MlxspecError(f"--from-json: '{path}' was not written by `mlxspec bench --json` ({SCHEMA})")
+    return doc
+
+
+# -- tables -----------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str, empty: str = "-") -> str:
+    return empty if value is None else format(value, spec)
+
+
+def pass_table(doc: dict, p: dict):
+    from rich.table import Table
+
+    model = (doc.get("model") or {}).get("name", "?")
+    reps = doc.get("config", {}).get("reps", "?")
+    sampled = p["temperature"] > 0
+    title = (f"{model} on {doc['environment'].get('device', '?')}: temperature {p['temperature']:g}"
+             + (f" (seed {p['seed']})" if sampled else "") + f", median of {reps} repetitions")
+    table = Table(title=title, title_justify="left")
+    for name in ("workload", "engine", "tok/s", "speedup", "accept", "acc. len", "from draft",
+                 "TTFT ms", "peak MB", "identical"):
+        table.add_column(name, justify="left" if name in ("workload", "engine") else "right", no_wrap=True)
+    skipped = {}
+    last = None
+    for row in p["results"]:
+        if row["status"] != "ok":
+            skipped[row["engine"]] = row["reason"]
+            continue
+        m = row["median"]
+        same = "-" if row["identical"] is None else "yes" if row["identical"] else "NO"
+        table.add_row("" if row["workload"] == last else row["workload"], row["engine"],
+                      _fmt(m["tps"], ".1f"), _fmt(row["speedup"], ".2f") + ("x" if row["speedup"] else ""),
+                      _fmt(m["acceptance"], ".0%"), _fmt(m["mean_accepted_length"], ".2f"),
+                      _fmt(m["draft_fraction"], ".0%"), _fmt(m["ttft_ms"], ".1f"),
+                      _fmt(m["peak_mb"], ".0f"), same,
+                      end_section=False)
+        last = row["workload"]
+    notes = [f"speedup: decode tok/s over {BASELINE}'s; identical: tokens equal to {BASELINE}'s "
+             f"at every prompt and repetition ({BASELINE}: equal to its own first repetition)"]
+    notes += [f"skipped {engine}: {why}" for engine, why in skipped.items()]
+    table.caption = "\n".join(notes)
+    table.caption_justify = "left"
+    return table
+
+
+def render(doc: dict, console) -> None:
+    """Print a document's tables: one per pass, or the sweep's."""
+    if not console.is_terminal:  # a file or pipe has no width: do not squeeze the columns
+        from rich.console import Console
+
+        console = Console(file=console.file, width=160, highlight=False, color_system=None)
+    if doc["kind"] == "sweep":
+        from .bench_sweep import sweep_table
+
+        console.print(sweep_table(doc["sweep"]))
+        return
+    for p in doc["passes"]:
+        console.print(pass_table(doc, p))
+
+
+# -- chart ------------------------------------------------------------------------------
+
+
+def check_matplotlib() -> None:
+    import importlib
+
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        raise MlxspecError(PNG_HINT) from None
+
+
+def _speedup_bars(doc: dict, p: dict, ax) -> None:
+    rows = [r for r in p["results"] if r["status"] == "ok" and r["engine"] != BASELINE]
+    workloads = list(dict.fromkeys(r["workload"] for r in p["results"]))
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    width = 0.8 / max(len(engines), 1)
+    for i, engine in enumerate(engines):
+        values = {r["workload"]: r["speedup"] or 0.0 for r in rows if r["engine"] == engine}
+        xs = [j + (i - (len(engines) - 1) / 2) * width for j in range(len(workloads))]
+        color = f"C{ENGINES.index(engine) % 10}"  # one colour per engine in every panel
+        bars = ax.bar(xs, [values.get(w, 0.0) for w in workloads], width, label=engine, color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel(f"decode speedup over {BASELINE}")
+    model = (doc.get("model") or {}).get("name", "?")
+    ax.set_title(f"{model}, temperature {p['temperature']:g} ({doc['environment'].get('device', '?')})",
+                 fontsize=10)
+    ax.legend(fontsize=7, ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def write_chart(docs: list[dict], path: str) -> None:
+    """One panel per pass of each bench document (speedup per workload and engine), one per
+    sweep (cost ratio against tokens per forward)."""
+    check_matplotlib()
+    from matplotlib.figure import Figure
+
+    from .bench_sweep import sweep_chart
+
+    panels = [(doc, p) for doc in docs for p in (doc["passes"] if doc["kind"] == "bench" else [None])]
+    fig = Figure(figsize=(10, 3.8 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (doc, p) in zip(axes, panels):
+        if p is None:
+            sweep_chart(doc["sweep"], ax)
+        else:
+            _speedup_bars(doc, p, ax)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=130)

@@ -1,0 +1,104 @@
+"""``mlxspec bench --sweep``: what a forward of 1..N tokens costs over a warm cache, on random
+weights in the shapes of real checkpoints (:mod:`mlxspec.models.synthetic`).
+
+This is the verify-cost curve speculation lives on: a verify of k drafts is a forward of k+1
+tokens, and it pays when k+1 tokens cost little more than one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .errors import UsageError
+
+DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.5-9b-like", "qwen3.6-27b")
+
+
+def parse_shapes(text: str) -> list[str]:
+    from .models.synthetic import SHAPES
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UsageError("--sweep needs at least one shape")
+    for name in names:
+        if name not in SHAPES:
+            raise UsageError(f"unknown sweep shape '{name}'; choose from {', '.join(SHAPES)}")
+    return names
+
+
+def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256, reps: int = 5,
+              on_step=None) -> dict:
+    """For each shape: build the random model, time forwards of 1..max_tokens tokens (one
+    untimed forward per width first, then ``reps`` timed), return ms per forward (median and
+    every sample) and the ratio to one token."""
+    import mlx.core as mx
+
+    from .engine.cache import model_nbytes
+    from .engine.costs import verify_times
+    from .models.synthetic import random_model, shape_config, vocab_size
+
+    if max_tokens < 1:
+        raise UsageError(f"--sweep-tokens must be at least 1, got {max_tokens}")
+    if context < 1:
+        raise UsageError(f"--sweep-context must be at least 1, got {context}")
+    if reps < 1:
+        raise UsageError(f"--reps must be at least 1, got {reps}")
+    results = []
+    for i, shape in enumerate(shapes):
+        if on_step:
+            on_step(f"building {shape} ({bits}-bit)" if bits else f"building {shape}", i, len(shapes))
+        t0 = time.perf_counter()
+        model = random_model(shape, bits=bits)
+        build_s = time.perf_counter() - t0
+        if on_step:
+            on_step(f"timing {shape}", i, len(shapes))
+        times = verify_times(model, widths=range(1, max_tokens + 1), context=context, reps=reps,
+                             vocab=vocab_size(shape), warmup_each=True)
+        base = statistics.median(times[1])
+        rows = [{"tokens": n, "ms": round(statistics.median(times[n]) * 1e3, 4),
+                 "ratio": round(statistics.median(times[n]) / base, 4),
+                 "samples_ms": [round(t * 1e3, 4) for t in times[n]]}
+                for n in range(1, max_tokens + 1)]
+        config = shape_config(shape)
+        results.append({"shape": shape, "model_type": config["model_type"],
+                        "config": config.get("text_config", config), "bits": bits,
+                        "weights_mb": round(model_nbytes(model) / 1e6, 1), "build_s": round(build_s, 2),
+                        "context": context, "reps": reps, "rows": rows})
+        del model
+        mx.clear_cache()
+    if on_step:
+        on_step("done", len(shapes), len(shapes))
+    return {"shapes": results, "bits": bits, "max_tokens": max_tokens, "context": context, "reps": reps}
+
+
+def sweep_table(sweep: dict):
+    """Rich table: one row per token count, per shape ms per forward and the ratio to 1 token."""
+    from rich.table import Table
+
+    shapes = sweep["shapes"]
+    bits = f", {sweep['bits']}-bit" if sweep.get("bits") else ""
+    table = Table(title=f"forward cost over a {sweep['context']}-token cache (median of "
+                        f"{sweep['reps']}{bits}): ms (x one token)", title_justify="left")
+    table.add_column("tokens", justify="right")
+    for s in shapes:
+        table.add_column(s["shape"], justify="right")
+    for i in range(max((len(s["rows"]) for s in shapes), default=0)):
+        cells = []
+        for s in shapes:
+            row = s["rows"][i] if i < len(s["rows"]) else None
+            cells.append(f"{row['ms']:.2f} ({row['ratio']:.2f}x)" if row else "")
+        table.add_row(str(i + 1), *cells)
+    return table
+
+
+def sweep_chart(sweep: dict, ax) -> None:
+    """Ratio to one token against tokens per forward, one line per shape."""
+    for s in sweep["shapes"]:
+        ax.plot([r["tokens"] for r in s["rows"]], [r["ratio"] for r in s["rows"]], marker="o",
+                markersize=3, label=s["shape"])
+    ax.set_xlabel("tokens per forward (verify of k drafts = k + 1)")
+    ax.set_ylabel("cost / cost of 1 token")
+    ax.set_title(f"forward cost over a {sweep['context']}-token cache")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

@@ -1,0 +1,213 @@
+"""The ``mlxspec bench`` command; it registers on the one Typer app of :mod:`mlxspec.cli`."""
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app
+from .errors import UsageError
+
+DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
+DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
+DEFAULT_WORKLOADS = "benchmarks/workloads"
+
+BENCH_HELP = _help("""
+Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; or, with
+--sweep, time a forward of 1..N tokens on random-weight models of real shapes.
+
+Engines: mlx-lm (mlx_lm.stream_generate, plain decoding: the baseline, always run),
+mlx-lm-draft (mlx-lm's own speculation with --draft-model; dense targets only, since mlx-lm
+cannot roll back linear-attention layers), and mlxspec-none, -pld, -draft (needs
+--draft-model), -mtp (needs an MTP head in MODEL) and -auto. An engine that cannot run with
+these models is reported as skipped, with the reason.
+
+A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line;
+prompts are raw text (no chat template), tokenized once and given as the same token ids to
+every engine. After one warm-up run of each engine, the engines run interleaved: for each
+repetition, each prompt, each engine. Reported per workload and engine, median over the
+repetitions: decode tok/s (tokens after the first / time from the first to the last token),
+speedup over mlx-lm, acceptance and tokens per verify (mlx-lm-draft: from its from_draft
+flags; its acceptance is not observable), the share of tokens that came from drafts, time to
+first token, peak memory (MLX's, all loaded weights included) and whether the tokens are
+identical to mlx-lm's at temperature 0. A second pass at --temperature (seeded per prompt,
+the same seed for every engine) measures the speculative engines under sampling.
+
+--from-json redraws the tables (and --png) from saved results without running anything.
+""")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+@contextlib.contextmanager
+def _progress(label: str):
+    """on_step(message, done, total): a progress bar on a terminal, else a line per phase."""
+    console = _stderr_console()
+    if not console.is_terminal:
+        last = {"phase": None}
+
+        def on_step(message, done, total):
+            phase = message.split(":")[0]
+            if phase != last["phase"]:
+                last["phase"] = phase
+                _note(f"{label}: {phase}")
+
+        yield on_step
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+        yield lambda message, done, total: progress.update(task, description=message,
+                                                           completed=done, total=total)
+
+
+def _outputs(docs, json_path, png_path) -> None:
+    from .bench_report import render, write_chart, write_json
+
+    for doc in docs:
+        render(doc, _stdout_console())
+    if json_path:
+        write_json(docs[0], json_path)
+        _note(f"wrote {json_path}")
+    if png_path:
+        write_chart(docs, png_path)
+        _note(f"wrote {png_path}")
+
+
+@app.command(help=BENCH_HELP)
+def bench(
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", show_default=False,
+        help=f"Target model: local folder or cached Hugging Face repo id (default: {DEFAULT_MODEL}, "
+             "if that folder exists here).")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", metavar="PATH_OR_REPO", show_default=False,
+        help=f"Draft model sharing MODEL's tokenizer, for mlx-lm-draft and mlxspec-draft (default: "
+             f"{DEFAULT_DRAFT} when MODEL is the default and that folder exists).")] = None,
+    workloads_dir: Annotated[str, typer.Option(
+        "--workloads-dir", metavar="DIR", help="Folder of NAME.jsonl prompt sets.")] = DEFAULT_WORKLOADS,
+    workloads: Annotated[Optional[str], typer.Option(
+        "--workloads", metavar="NAMES", show_default=False,
+        help="Comma-separated workload names, e.g. echo,completion (default: every .jsonl in DIR).")] = None,
+    prompts: Annotated[Optional[int], typer.Option(
+        "--prompts", metavar="N", show_default=False,
+        help="Use only the first N prompts of each workload (default: all).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        "--max-tokens", metavar="N", show_default=False,
+        help="Tokens to generate per prompt, replacing each prompt's own max_tokens.")] = None,
+    engines: Annotated[Optional[str], typer.Option(
+        "--engines", metavar="NAMES", show_default=False,
+        help="Comma-separated subset of mlx-lm, mlx-lm-draft, mlxspec-none, mlxspec-pld, "
+             "mlxspec-draft, mlxspec-mtp, mlxspec-auto (default: all; mlx-lm always runs).")] = None,
+    reps: Annotated[Optional[int], typer.Option(
+        "--reps", metavar="N", show_default=False,
+        help="Repetitions, of which the median is reported (default 3; with --sweep: timed "
+             "forwards per width, default 5).")] = None,
+    draft_depth: Annotated[int, typer.Option(
+        "--draft-depth", metavar="K", help="Tokens mlx-lm-draft drafts per step (num_draft_tokens).")] = 3,
+    depth: Annotated[Optional[int], typer.Option(
+        "--depth", metavar="K", show_default=False,
+        help="Fixed draft depth for the mlxspec engines (default: each engine chooses, as in `run`).")] = None,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", metavar="T", help="Temperature of the second (sampling) pass.")] = 0.7,
+    temp_pass: Annotated[bool, typer.Option(
+        "--temp-pass/--no-temp-pass", help="Run the second pass at --temperature (mlx-lm and the "
+                                           "engines that draft), after the temperature-0 pass.")] = True,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Seed of the sampling pass: prompt i of every engine starts from seed + i.")] = 0,
+    json_path: Annotated[Optional[str], typer.Option(
+        "--json", metavar="PATH", show_default=False,
+        help="Write every raw number (per prompt and repetition), the medians, the environment "
+             "(versions, device, models) and the command line to PATH.")] = None,
+    png_path: Annotated[Optional[str], typer.Option(
+        "--png", metavar="PATH", show_default=False,
+        help='Draw a bar chart of the speedups (a line chart for --sweep) to PATH; needs '
+             'matplotlib (pip install "mlxspec\\[bench]").')] = None,
+    from_json: Annotated[Optional[list[str]], typer.Option(
+        "--from-json", metavar="PATH", show_default=False,
+        help="Run nothing: print the tables of saved --json results (repeatable; --png draws "
+             "them all in one chart).")] = None,
+    sweep: Annotated[Optional[str], typer.Option(
+        "--sweep", metavar="SHAPES", show_default=False,
+        help="Instead of the engines: time forwards of 1..--sweep-tokens tokens over a warm cache "
+             "on random weights shaped like these (comma-separated): qwen3-0.6b, qwen3-1.7b, "
+             "qwen3-8b, qwen3.5-9b-like, qwen3.6-27b, or smoke / smoke-hybrid (tiny); 'all' is "
+             "qwen3-1.7b,qwen3-8b,qwen3.5-9b-like,qwen3.6-27b.")] = None,
+    bits: Annotated[int, typer.Option(
+        "--bits", help="Sweep: quantize the random weights to this many bits (0: bf16).")] = 4,
+    sweep_tokens: Annotated[int, typer.Option(
+        "--sweep-tokens", metavar="N", help="Sweep: the largest forward, in tokens.")] = 16,
+    sweep_context: Annotated[int, typer.Option(
+        "--sweep-context", metavar="N", help="Sweep: tokens already in the cache.")] = 256,
+) -> None:
+    with _user_errors():
+        if from_json:
+            _check(json_path is None and sweep is None and model is None,
+                   "--from-json only redraws saved results: give no MODEL, --sweep or --json")
+            from .bench_report import check_matplotlib, read_json
+
+            docs = [read_json(path) for path in from_json]
+            if png_path:
+                check_matplotlib()
+            _outputs(docs, None, png_path)
+            return
+        _check(reps is None or reps >= 1, f"--reps must be at least 1, got {reps}")
+        _check(1 <= draft_depth <= 16, f"--draft-depth must be between 1 and 16, got {draft_depth}")
+        _check(depth is None or 1 <= depth <= 16, f"--depth must be between 1 and 16, got {depth}")
+        _check(temperature >= 0, f"--temperature must be 0 or more, got {temperature}")
+        _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
+        _check(max_tokens is None or max_tokens >= 1, f"--max-tokens must be at least 1, got {max_tokens}")
+        if png_path:
+            from .bench_report import check_matplotlib
+
+            check_matplotlib()  # before minutes of measuring, not after
+        if sweep is not None:
+            _check(model is None and draft_model is None,
+                   "--sweep builds its own random models: give no MODEL or --draft-model")
+            _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+            from .bench_report import sweep_document
+            from .bench_sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
+
+            shapes = list(DEFAULT_SHAPES) if sweep.strip() == "all" else parse_shapes(sweep)
+            with _progress("sweep") as on_step:
+                result = run_sweep(shapes, bits=bits, max_tokens=sweep_tokens, context=sweep_context,
+                                   reps=reps or 5, on_step=on_step)
+            _outputs([sweep_document(result)], json_path, png_path)
+            return
+
+        from .bench import Bench, Options, load_workloads, parse_engines, parse_list
+
+        chosen = parse_engines(engines)
+        sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
+        if model is None:
+            _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id): "
+                                           f"there is no {DEFAULT_MODEL} in this folder")
+            model = str(DEFAULT_MODEL)
+            if draft_model is None and DEFAULT_DRAFT.is_dir():
+                draft_model = str(DEFAULT_DRAFT)
+        from .api import load
+        from .bench_report import bench_document
+        from .hub import expand_alias
+
+        console = _stderr_console()
+        with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
+            spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
+        options = Options(reps=reps or 3, draft_depth=draft_depth, depth=depth, temperature=temperature,
+                          temp_pass=temp_pass, seed=seed)
+        runner = Bench(spec, sets, chosen, options)
+        for engine, why in runner.skipped.items():
+            _note(f"skipping {engine}: {why}")
+        with _progress("bench") as on_step:
+            result = runner.run(on_step)
+        _outputs([bench_document(runner, result)], json_path, png_path)
+        if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
+            _note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
+        sys.stdout.flush()
