@@ -115,7 +115,8 @@ def pass_table(doc: dict, p: dict):
     reps = doc.get("config", {}).get("reps", "?")
     sampled = p["temperature"] > 0
     title = (f"{model} on {doc['environment'].get('device', '?')}: temperature {p['temperature']:g}"
-             + (f" (seed {p['seed']})" if sampled else "") + f", median of {reps} repetitions")
+             + (f" (seed {p['seed']})" if sampled else "")
+             + f", median of {reps} repetition{'s' * (reps != 1)}")
     table = Table(title=title, title_justify="left")
     for name in ("workload", "engine", "tok/s", "speedup", "accept", "acc. len", "from draft",
                  "TTFT ms", "peak MB", "identical"):
@@ -187,8 +188,12 @@ def _speedup_bars(doc: dict, p: dict, ax) -> None:
     model = (doc.get("model") or {}).get("name", "?")
     ax.set_title(f"{model}, temperature {p['temperature']:g} ({doc['environment'].get('device', '?')})",
                  fontsize=10)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
+    skipped = list(dict.fromkeys(r["engine"] for r in p["results"] if r["status"] != "ok"))
+    if skipped:
+        ax.annotate("skipped: " + ", ".join(skipped), (0, 0), xycoords="axes fraction",
+                    xytext=(4, -26), textcoords="offset points", fontsize=7, color="gray")
 
 
 def write_chart(docs: list[dict], path: str) -> None:
@@ -204,7 +209,7 @@ def write_chart(docs: list[dict], path: str) -> None:
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (doc, p) in zip(axes, panels):
         if p is None:
-            sweep_chart(doc["sweep"], ax)
+            sweep_chart(doc["sweep"], ax, doc["environment"].get("device"))
         else:
             _speedup_bars(doc, p, ax)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -77,12 +77,13 @@ def sweep_table(sweep: dict):
     from rich.table import Table
 
     shapes = sweep["shapes"]
-    bits = f", {sweep['bits']}-bit" if sweep.get("bits") else ""
-    table = Table(title=f"forward cost over a {sweep['context']}-token cache (median of "
-                        f"{sweep['reps']}{bits}): ms (x one token)", title_justify="left")
+    bits = f"{sweep['bits']}-bit" if sweep.get("bits") else "bf16"
+    table = Table(title="ms per forward (x the cost of one token)", title_justify="left",
+                  caption=f"random {bits} weights, {sweep['context']} tokens in the cache, median of "
+                          f"{sweep['reps']} forwards after a warm-up one", caption_justify="left")
     table.add_column("tokens", justify="right")
     for s in shapes:
-        table.add_column(s["shape"], justify="right")
+        table.add_column(s["shape"], justify="right", no_wrap=True)
     for i in range(max((len(s["rows"]) for s in shapes), default=0)):
         cells = []
         for s in shapes:
@@ -92,13 +93,18 @@ def sweep_table(sweep: dict):
     return table
 
 
-def sweep_chart(sweep: dict, ax) -> None:
+def sweep_chart(sweep: dict, ax, device: str | None = None) -> None:
     """Ratio to one token against tokens per forward, one line per shape."""
+    from matplotlib.ticker import MaxNLocator
+
     for s in sweep["shapes"]:
         ax.plot([r["tokens"] for r in s["rows"]], [r["ratio"] for r in s["rows"]], marker="o",
                 markersize=3, label=s["shape"])
-    ax.set_xlabel("tokens per forward (verify of k drafts = k + 1)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("tokens per forward (a verify of k drafts is k + 1)")
     ax.set_ylabel("cost / cost of 1 token")
-    ax.set_title(f"forward cost over a {sweep['context']}-token cache")
+    bits = f"{sweep['bits']}-bit" if sweep.get("bits") else "bf16"
+    ax.set_title(f"forward cost over a {sweep['context']}-token cache, random {bits} weights"
+                 + (f" ({device})" if device else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
