@@ -202,7 +202,7 @@ class Bench:
                 kinds = sorted({type(c).__name__ for c in make_prompt_cache(loaded.model) if not c.is_trimmable()})
                 if kinds:  # mlx-lm's own test (speculative_generate_step raises on these)
                     return (f"mlx-lm cannot speculate on {which}: its {', '.join(kinds)} layers "
-                            "(linear attention) cannot be trimmed")
+                            "(recurrent / linear-attention state) cannot be trimmed back")
         if engine == "mlxspec-mtp":
             head, why_not = spec.mtp_head()
             if head is None:
@@ -264,7 +264,8 @@ class Bench:
         if self.options.temp_pass and self.options.temperature > 0:
             # the baseline (for speedups) and the engines that draft
             sampled = [e for e in self.engines if e != "mlxspec-none"]
-            passes.append(self.run_pass(self.options.temperature, sampled, on_step))
+            if len(sampled) > 1:
+                passes.append(self.run_pass(self.options.temperature, sampled, on_step))
         return {"passes": passes}
 
     def run_pass(self, temperature: float, engines: list[str], on_step=None) -> dict:

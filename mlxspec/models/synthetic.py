@@ -105,15 +105,22 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
 
         model, scale = qwen3_5.Model(qwen3_5.ModelArgs(**config)), 0.02
     # Nothing above is evaluated (MLX is lazy): the float32 initial values are replaced before
-    # they exist. Layer by layer: bf16 weights, quantized, evaluated, then the next layer.
+    # they exist. The embedding and LM head first, one at a time (their random bf16 values, and
+    # the float32 the generator makes on the way, are the largest transients: made while little
+    # else is resident), then layer by layer: bf16 weights, quantized, evaluated, the next.
     mx.random.seed(seed)
+    outside = lambda path: ".layers." not in "." + path  # noqa: E731
+    _randomize(model, scale, skip_layers=True)
+    if bits:
+        fits = _quantizable(group_size)
+        nn.quantize(model, group_size=group_size, bits=bits,
+                    class_predicate=lambda path, m: outside(path) and fits(path, m))
+    for path, value in tree_flatten(model.parameters()):
+        if outside(path):
+            mx.eval(value)
     for layer in model.layers:
         _randomize(layer, scale)
         if bits:
             nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
         mx.eval(layer.parameters())
-    _randomize(model, scale, skip_layers=True)  # embeddings, final norm, LM head
-    if bits:  # the layers' linears are quantized already and are left alone
-        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
-    mx.eval(model.parameters())
     return model
