@@ -238,7 +238,9 @@ def train(kind: str, work: Path, out: Path, minutes: float, steps: int | None, s
 @torch.no_grad()
 def reference(model: Mini, tokens: list[int], top: int = 8) -> dict:
     """fp32 logits of the bf16-rounded weights: top-TOP ids and values at every position."""
-    model = model.to(torch.bfloat16).float().eval()
+    model = model.float().eval()
+    for p in model.parameters():  # weights as stored (bf16); buffers (RoPE frequencies) stay fp32
+        p.data = p.data.to(torch.bfloat16).float()
     ids = torch.tensor([tokens], device=next(model.parameters()).device)
     hidden = model.lm.model(input_ids=ids).last_hidden_state
     logits = model.lm.lm_head(hidden)[0]
@@ -276,14 +278,35 @@ def export(model: Mini, work: Path, out: Path, held_data: torch.Tensor) -> None:
     (out / "reference.json").write_text(json.dumps(reference(model, snippet)))
 
 
+def rereference(folder: Path) -> None:
+    """Recompute FOLDER/reference.json on the CPU in fp32 from the exported checkpoint itself
+    (GPU references carry TF32 rounding; this one is what the MLX tests compare against)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    kind = "draft" if config["model_type"] == "qwen3" else (
+        "attn" if config["text_config"]["full_attention_interval"] == 1 else "hybrid")
+    vocab, special = tokenizer_info(folder)
+    model = Mini(kind, vocab, [special[EOS_TOKEN], special[PAD_TOKEN]], special[PAD_TOKEN])
+    tensors = load_file(str(folder / "model.safetensors"))
+    lm = {("model." + k[len("model.language_model."):]) if k.startswith("model.language_model.") else k: v
+          for k, v in tensors.items() if not k.startswith("mtp.")}
+    missing, unexpected = model.lm.load_state_dict(lm, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    if model.mtp is not None:
+        model.mtp.load_state_dict({k[len("mtp."):]: v for k, v in tensors.items() if k.startswith("mtp.")})
+    tokens = json.loads((folder / "reference.json").read_text())["tokens"]
+    (folder / "reference.json").write_text(json.dumps(reference(model.float(), tokens)))
+
+
 # ---------------------------------------------------------------------------
 # CLI
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["prep", "train", "all"])
-    ap.add_argument("kind", nargs="?", choices=sorted(MODELS))
+    ap.add_argument("what", choices=["prep", "train", "all", "reference"])
+    ap.add_argument("kind", nargs="?", help="train: hybrid, attn or draft; reference: a model folder")
     ap.add_argument("--work", type=Path, default=Path("/tmp/mini"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/models"))
     ap.add_argument("--minutes", type=float, default=6.0, help="training time budget per model")
@@ -300,9 +323,11 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         manifest = mini_corpus.build(a.work, a.vocab, a.max_train_mb, a.edit_fraction, a.seed)
         print(f"prep {time.perf_counter() - t:.0f}s {json.dumps(manifest)}", flush=True)
+    if a.what == "reference":
+        rereference(Path(a.kind))
     if a.what == "train":
-        if not a.kind:
-            ap.error("train needs a model kind")
+        if a.kind not in MODELS:
+            ap.error(f"train needs a model kind: {', '.join(sorted(MODELS))}")
         train(a.kind, a.work, a.out, a.minutes, a.steps, a.seed, a.batch, a.seq_len, a.lr)
     if a.what == "all":
         common = ["--work", str(a.work), "--out", str(a.out), "--minutes", str(a.minutes),
