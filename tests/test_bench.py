@@ -227,3 +227,14 @@ def test_from_json_rejects_other_files(tmp_path):
     other.write_text('{"rows": []}')
     result = CliRunner().invoke(cli.app, ["bench", "--from-json", str(other)])
     assert result.exit_code == 1 and "was not written by `mlxspec bench --json`" in result.stderr
+
+
+def test_help_explains_every_option():
+    text = CliRunner().invoke(cli.app, ["bench", "--help"]).output
+    for option in ("--draft-model", "--workloads-dir", "--workloads", "--prompts", "--max-tokens",
+                   "--engines", "--reps", "--draft-depth", "--depth", "--temperature", "--temp-pass",
+                   "--no-temp-pass", "--seed", "--json", "--png", "--from-json", "--sweep", "--bits",
+                   "--sweep-tokens", "--sweep-context"):
+        assert option in text
+    flat = " ".join(text.replace("│", " ").split())  # the help's boxes wrap lines
+    assert 'pip install "mlxspec[bench]"' in flat and "mlx-lm-draft" in flat
