@@ -286,7 +286,7 @@ def convert_checkpoint(
     ``q_bits``, 0: unquantized head. Raises :class:`MlxspecError` with a one-line message."""
     from .loader import check_checkpoint, resolve_model
     from .mtp.weights import find_mtp_weights
-    from .qwen_norms import needs_norm_shift, shift_saved_norms
+    from .attention_only import needs_norm_shift, shift_saved_norms
 
     step = on_step or (lambda _message: None)
     head_bits = _check_options(q_bits, q_group_size, dtype, mtp_bits)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidCheckpointError, ModelNotFoundError
-from .qwen_norms import needs_norm_shift, shift_loaded_norms
+from .attention_only import fix_loaded
 
 # the files mlx-lm itself reads from a snapshot (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS); a cached
 # snapshot only has to be complete for these, not for READMEs or PyTorch weights
@@ -209,6 +209,5 @@ def load_model(ref: str | None) -> LoadedModel:
         model, tokenizer, config = load(str(path), return_config=True)
     except Exception as err:  # mlx/transformers raise many types for broken files
         raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
-    if needs_norm_shift(path, config):
-        shift_loaded_norms(model)
+    fix_loaded(model, path, config)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)

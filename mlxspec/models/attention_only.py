@@ -1,11 +1,15 @@
-"""Zero-centred RMSNorms of attention-only Qwen3.5 checkpoints, which mlx-lm leaves unshifted.
+"""Attention-only Qwen3.5 checkpoints (``full_attention_interval: 1``): two things mlx-lm misses.
 
-Hugging Face Qwen3.5 checkpoints store RMSNorm weights as offsets (``y = norm(x) * (1 + w)``).
+1. Norms. Hugging Face Qwen3.5 checkpoints store RMSNorm weights as offsets (``y = norm(x) * (1 + w)``).
 mlx-lm's ``qwen3_5.sanitize`` adds the 1 only when it sees an unconverted GatedDeltaNet
 ``conv1d.weight``; a config with ``full_attention_interval: 1`` (every layer full attention: the
 mini-attn benchmark model) has none, so mlx-lm would load its norms as gains near 0. Such a
 checkpoint is still recognisable as raw by its Hugging Face key names
 (``model.language_model.*``; mlx-lm saves ``language_model.model.*``).
+
+2. Masks. mlx-lm's text model takes its GatedDeltaNet mask from ``cache[ssm_idx]`` with
+``ssm_idx = 0`` fixed at construction; with no GDN layer that entry is a KVCache and decoding
+with a cache fails. mlx-lm's own ``pipeline()`` sets ``ssm_idx = None`` in that case: so do we.
 """
 
 from __future__ import annotations
@@ -34,9 +38,13 @@ def _attention_only(config: dict) -> bool:
     return text.get("full_attention_interval") == 1
 
 
+def is_attention_only(config: dict) -> bool:
+    return config.get("model_type") in _FAMILY and _attention_only(config)
+
+
 def needs_norm_shift(path: Path, config: dict) -> bool:
     """A raw (Hugging Face layout) Qwen3.5 checkpoint without GatedDeltaNet layers."""
-    if config.get("model_type") not in _FAMILY or not _attention_only(config):
+    if not is_attention_only(config):
         return False
     files = sorted(Path(path).glob("model*.safetensors"))
     return any(k.startswith("model.language_model.") for f in files for k in _safetensors_keys(f))
@@ -44,6 +52,17 @@ def needs_norm_shift(path: Path, config: dict) -> bool:
 
 def is_trunk_norm(name: str) -> bool:
     return name.endswith(NORM_SUFFIXES) and ".mtp." not in f".{name}"
+
+
+def fix_loaded(model, path: Path, config: dict) -> None:
+    """Both fixes on a model mlx-lm loaded from PATH (nothing for other models)."""
+    if not is_attention_only(config):
+        return
+    text_model = model.language_model.model
+    if all(not layer.is_linear for layer in text_model.layers):
+        text_model.ssm_idx = None
+    if needs_norm_shift(path, config):
+        shift_loaded_norms(model)
 
 
 def shift_loaded_norms(model) -> None:
