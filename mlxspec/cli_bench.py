@@ -82,6 +82,18 @@ def _outputs(docs, json_path, png_path) -> None:
         _note(f"wrote {png_path}")
 
 
+def _cast(spec, dtype: str) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    target = getattr(mx, dtype)
+    head, _ = spec.mtp_head()
+    modules = [spec.target.model] + ([spec.draft.model] if spec.draft else []) + ([head.module] if head else [])
+    for module in modules:
+        module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+                               module.parameters()))
+
+
 @app.command(help=BENCH_HELP)
 def bench(
     model: Annotated[Optional[str], typer.Argument(
@@ -116,6 +128,10 @@ def bench(
     depth: Annotated[Optional[int], typer.Option(
         "--depth", metavar="K", show_default=False,
         help="Fixed draft depth for the mlxspec engines (default: each engine chooses, as in `run`).")] = None,
+    gates: Annotated[bool, typer.Option(
+        "--gates/--no-gates", help="Let the mlxspec engines switch speculation off where it does not "
+                                   "pay (as `run` does); --no-gates drafts at every step, to see "
+                                   "the drafters' acceptance apart from the gates' decisions.")] = True,
     temperature: Annotated[float, typer.Option(
         "--temperature", metavar="T", help="Temperature of the second (sampling) pass.")] = 0.7,
     temp_pass: Annotated[bool, typer.Option(
@@ -145,6 +161,11 @@ def bench(
         "--bits", help="Sweep: quantize the random weights to this many bits (0: bf16).")] = 4,
     sweep_tokens: Annotated[int, typer.Option(
         "--sweep-tokens", metavar="N", help="Sweep: the largest forward, in tokens.")] = 16,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="DTYPE",
+        help="Cast the loaded models (and MTP head) to float32, bfloat16 or float16 before "
+             "measuring (default: as stored). float32 makes the identity column meaningful on "
+             "backends whose bf16 kernels do not repeat bit for bit.")] = None,
     sweep_context: Annotated[int, typer.Option(
         "--sweep-context", metavar="N", help="Sweep: tokens already in the cache.")] = 256,
 ) -> None:
@@ -200,8 +221,12 @@ def bench(
         console = _stderr_console()
         with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
             spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
+        if dtype is not None:
+            _check(dtype in ("float32", "bfloat16", "float16"),
+                   f"--dtype must be float32, bfloat16 or float16; got {dtype}")
+            _cast(spec, dtype)
         options = Options(reps=reps or 3, draft_depth=draft_depth, depth=depth, temperature=temperature,
-                          temp_pass=temp_pass, seed=seed)
+                          temp_pass=temp_pass, seed=seed, gates=gates)
         runner = Bench(spec, sets, chosen, options)
         for engine, why in runner.skipped.items():
             _note(f"skipping {engine}: {why}")
