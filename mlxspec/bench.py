@@ -175,6 +175,7 @@ class Options:
     temperature: float = 0.7  # the second pass
     temp_pass: bool = True
     seed: int = 0
+    gates: bool = True  # mlxspec engines: speculation switched off where it does not pay
 
 
 class Bench:
@@ -247,7 +248,7 @@ class Bench:
         tokens, t_first, t_last, stats = [], None, None, None
         t0 = time.perf_counter()
         for chunk in self.spec.stream(ids, max_tokens=max_tokens, temperature=temperature,
-                                      drafter=drafter, depth=depth, raw=True):
+                                      drafter=drafter, depth=depth, raw=True, gates=self.options.gates):
             if chunk.tokens:
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

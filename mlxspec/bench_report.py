@@ -70,7 +70,8 @@ def bench_document(bench, result: dict) -> dict:
         "schema": SCHEMA, "kind": "bench", "environment": environment(),
         "model": _model_info(bench.spec.target), "draft_model": _model_info(bench.spec.draft),
         "config": {"reps": o.reps, "draft_depth": o.draft_depth, "depth": o.depth,
-                   "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed},
+                   "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed,
+                   "gates": o.gates},
         "workloads": {w.name: {"file": str(w.path), "prompts": [
             {"id": p.id, "prompt_tokens": len(p.ids), "max_tokens": p.max_tokens} for p in w.prompts]}
             for w in bench.workloads},

@@ -127,7 +127,7 @@ def test_hybrid_target_skips_mlx_lm_draft_and_runs_mtp_exactly(isolated, tiny_qw
     spec = load(str(tiny_qwen3_5), draft_model=str(tiny_qwen3_draft))
     sets = load_workloads(workloads_dir, ["echo"])
     bench = Bench(spec, sets, parse_engines("mlx-lm-draft,mlxspec-mtp,mlxspec-draft"),
-                  Options(reps=1, temp_pass=False))
+                  Options(reps=1, temp_pass=False, gates=False))
     assert "mlx-lm-draft" in bench.skipped and "ArraysCache" in bench.skipped["mlx-lm-draft"]
     assert bench.engines == ["mlx-lm", "mlxspec-draft", "mlxspec-mtp"]
     (zero,) = bench.run()["passes"]
@@ -135,7 +135,10 @@ def test_hybrid_target_skips_mlx_lm_draft_and_runs_mtp_exactly(isolated, tiny_qw
     assert rows["mlx-lm-draft"]["status"] == "skipped" and "cannot" in rows["mlx-lm-draft"]["reason"]
     for engine in ("mlxspec-draft", "mlxspec-mtp"):
         assert rows[engine]["status"] == "ok" and rows[engine]["identical"] is True
-    assert rows["mlxspec-mtp"]["median"]["acceptance"] is not None  # the head drafted
+    # no gates: the head drafts at every step, so the identity above covers many partial accepts
+    runs = [r for r in zero["runs"] if r["engine"] == "mlxspec-mtp"]
+    assert all(r["drafted"] > 0 and r["verify_steps"] > 0 for r in runs)
+    assert rows["mlxspec-mtp"]["median"]["acceptance"] is not None
 
 
 def test_workload_selection_and_overrides(workloads_dir):
@@ -233,7 +236,7 @@ def test_help_explains_every_option():
     text = CliRunner().invoke(cli.app, ["bench", "--help"]).output
     for option in ("--draft-model", "--workloads-dir", "--workloads", "--prompts", "--max-tokens",
                    "--engines", "--reps", "--draft-depth", "--depth", "--temperature", "--temp-pass",
-                   "--no-temp-pass", "--seed", "--json", "--png", "--from-json", "--sweep", "--bits",
+                   "--no-temp-pass", "--no-gates", "--seed", "--json", "--png", "--from-json", "--sweep", "--bits",
                    "--sweep-tokens", "--sweep-context"):
         assert option in text
     flat = " ".join(text.replace("│", " ").split())  # the help's boxes wrap lines
