@@ -259,13 +259,16 @@ class Bench:
                           verify_steps=stats.verify_steps, from_draft=stats.accepted)
 
     # -- passes ------------------------------------------------------------------------
-    def run(self, on_step=None) -> dict:
-        """Every pass; returns the JSON-ready result (without the environment)."""
+    def run(self, on_step=None, on_pass=None) -> dict:
+        """Every pass; returns the JSON-ready result (without the environment). ``on_pass``
+        gets the passes done so far after each one (to save partial results)."""
         passes = [self.run_pass(0.0, self.engines, on_step)]
         if self.options.temp_pass and self.options.temperature > 0:
             # the baseline (for speedups) and the engines that draft
             sampled = [e for e in self.engines if e != "mlxspec-none"]
             if len(sampled) > 1:
+                if on_pass:
+                    on_pass({"passes": passes})
                 passes.append(self.run_pass(self.options.temperature, sampled, on_step))
         return {"passes": passes}
 

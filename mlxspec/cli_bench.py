@@ -230,8 +230,14 @@ def bench(
         runner = Bench(spec, sets, chosen, options)
         for engine, why in runner.skipped.items():
             _note(f"skipping {engine}: {why}")
+        from .bench_report import write_json
+
+        def save_partial(result):  # the first pass survives a run stopped during the second
+            if json_path:
+                write_json(bench_document(runner, result), json_path)
+
         with _progress("bench") as on_step:
-            result = runner.run(on_step)
+            result = runner.run(on_step, save_partial)
         _outputs([bench_document(runner, result)], json_path, png_path)
         if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
             _note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")

@@ -13,6 +13,9 @@
 # On the GPU machine, after staging MLX's CUDA wheel (../shared/device/README.md):
 #   source .cu3/stage.sh && bash scripts/bench_gpu.sh "$OUT" hybrid attn
 #   source .cu3/stage.sh && bash scripts/bench_gpu.sh "$OUT" sweep
+# A device call runs at most 10 minutes: all 32 prompts x 256 tokens x 3 repetitions x 2 passes
+# of one model may not fit in one (not timed yet); run one model per call, and if it is cut off,
+# use PROMPTS=4 (the JSON is saved after the temperature-0 pass, and again at the end).
 # Without matplotlib there, draw the charts later anywhere with the JSON files:
 #   mlxspec bench --from-json mini-hybrid.json --from-json mini-attn.json --png bench.png
 #   mlxspec bench --from-json sweep.json --png sweep.png
