@@ -49,7 +49,9 @@ def measure_verify_cost(
     model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256
 ) -> CostModel:
     """Time forwards of each width over a warm cache of ``context`` tokens (a second or two
-    on a large model); widths in between are interpolated by :class:`CostModel`."""
-    times = {n: statistics.median(s) for n, s in verify_times(model, widths, context, reps, vocab).items()}
+    on a large model); widths in between are interpolated by :class:`CostModel`. Each width
+    gets an untimed forward first: MLX's CUDA backend compiles kernels per new shape."""
+    samples = verify_times(model, widths, context, reps, vocab, warmup_each=True)
+    times = {n: statistics.median(s) for n, s in samples.items()}
     base = times[1]
     return CostModel(curve={n: t / base for n, t in times.items()}, measured=True)

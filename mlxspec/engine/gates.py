@@ -87,6 +87,10 @@ class SpeculationGate:
 
     ON_ABOVE = 1.10  # hysteresis: switch on when the best depth is 10% faster than plain
     OFF_BELOW = 1.0
+    # Steps with drafts observed before the estimate may switch speculation off: the prior alone
+    # (no evidence yet) must not, or a drafter that pays is cut at token 0 and only comes back
+    # through backed-off probes (seen with an MTP head on the GPU: off at token 0, on at 121).
+    MIN_EVIDENCE = 8
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class SpeculationGate:
         self._since_off = 0
         self._probe_every = 16
         self._best: tuple[int, float] | None = None
+        self._evidence = 0
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
@@ -142,7 +147,7 @@ class SpeculationGate:
         if not self.gating:
             return self.max_depth if self.fixed_depth else self.best_depth()[0]
         k, gain = self.best_depth()
-        if self.on and gain < self.OFF_BELOW:
+        if self.on and gain < self.OFF_BELOW and self._evidence >= self.MIN_EVIDENCE:
             self.switch(False, f"drafts stopped paying (expected {gain:.2f}x)")
         elif not self.on and gain > self.ON_ABOVE:
             self.switch(True, f"drafts pay again (expected {gain:.2f}x)")
@@ -173,6 +178,7 @@ class SpeculationGate:
         if drafted > 0:
             self.model.observe(drafted, accepted)
             self._best = None
+            self._evidence += 1
         if self.on:
             self._probe_every = 16
 
