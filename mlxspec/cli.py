@@ -381,6 +381,7 @@ def run(
 # the model and machine commands register themselves on `app`
 from . import cli_machine  # noqa: E402,F401
 from . import cli_bench  # noqa: E402,F401
+from . import cli_serve  # noqa: E402,F401
 
 
 def main() -> None:

@@ -1,0 +1,109 @@
+"""``mlxspec serve``: the OpenAI- and Anthropic-compatible server (mlxspec/server/)."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .cli import DRAFTERS, _error, _help, _note, _user_errors, app
+from .errors import UsageError
+
+SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
+
+Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; streaming or not, tools),
+POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models, /health, /metrics
+(Prometheus), and the OpenAPI schema at /openapi.json (docs at /docs). Every request is
+speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2,
+"enabled": false}) and its drafted/accepted counts come back in usage. One generation runs at
+a time; up to --max-queue more wait, then 503 with Retry-After.
+
+Binding to anything but loopback needs an API key (--api-key, --api-key-file or
+MLXSPEC_API_KEY), given by clients as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _api_key(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
+    if key and key_file:
+        raise UsageError("give --api-key or --api-key-file, not both")
+    if key_file:
+        try:
+            key = Path(key_file).expanduser().read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise UsageError(f"cannot read --api-key-file {key_file}: {err.strerror}") from None
+        if not key:
+            raise UsageError(f"--api-key-file {key_file} is empty")
+    return key or os.environ.get("MLXSPEC_API_KEY") or None
+
+
+@app.command(help=_help(SERVE_HELP))
+def serve(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Argument(
+        metavar="MODEL", show_default=False,
+        help="Model folder or cached repo id (default: the configured default, else the demo model).")] = None,
+    draft_model: Annotated[Optional[str], typer.Option(
+        "--draft-model", metavar="M", show_default=False, help="Draft model with the same tokenizer.")] = None,
+    drafter: Annotated[str, typer.Option(
+        "--drafter", metavar="NAME", help=f"Default drafter: {', '.join(DRAFTERS)}.")] = "auto",
+    preset: Annotated[Optional[str], typer.Option(
+        "--preset", metavar="P", show_default=False,
+        help="auto, mtp, pld, draft or off: as `run --preset` (an explicit --drafter wins).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to bind.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", metavar="KEY", show_default=False, help="Require this key on every /v1 request.")] = None,
+    api_key_file: Annotated[Optional[str], typer.Option(
+        "--api-key-file", metavar="F", show_default=False, help="Read the key from file F.")] = None,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = 16,
+    max_tokens_cap: Annotated[int, typer.Option(
+        "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = 4096,
+    cors: Annotated[bool, typer.Option("--cors", help="Allow cross-origin requests from any origin.")] = False,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
+) -> None:
+    with _user_errors():
+        if drafter not in DRAFTERS:
+            raise UsageError(f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
+        if not 0 < port < 65536:
+            raise UsageError(f"--port must be 1-65535; got {port}")
+        if max_queue < 0 or max_tokens_cap < 1:
+            raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
+        key = _api_key(api_key, api_key_file)
+        if not _is_loopback(host) and not key:
+            raise UsageError(f"refusing to bind {host} (not loopback) without an API key: "
+                             "pass --api-key, --api-key-file or set MLXSPEC_API_KEY")
+        from .cli_machine import _prepare_run
+
+        drafter, draft_model, _ = _prepare_run(preset, model, drafter, draft_model, ctx)
+        from .api import load
+        from .server.app import Settings, create_app
+
+        spec = load(model, draft_model=draft_model)
+        settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,
+                            max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors)
+        application = create_app(spec, settings)
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
+    auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
+    _note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
+          f"{', draft ' + spec.draft.name if spec.draft else ''})")
+    _note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+          f"-d '{{\"model\": \"{spec.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+    import uvicorn
+
+    try:
+        uvicorn.run(application, host=host, port=port, log_level=log_level)
+    except OSError as err:
+        _error(f"cannot bind {host}:{port}: {err.strerror}")
+        raise typer.Exit(1) from None

@@ -1,0 +1,1 @@
+"""``mlxspec serve``: OpenAI- and Anthropic-compatible HTTP server over one loaded model."""

@@ -1,0 +1,238 @@
+"""OpenAI surface: /v1/chat/completions and /v1/completions, streaming (SSE) or not, with tools."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .app import APIError, GenerationRequest, Outcome, speculation_overrides
+from .tools import ToolCall, ToolCallParser
+
+router = APIRouter()
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict], None] = None
+    tool_calls: Optional[list[dict]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=1_000_000)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)  # what mx.random.seed takes
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    n: int = Field(1, ge=1, le=1)
+    speculation: Optional[dict] = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message]
+    max_completion_tokens: Optional[int] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[str, dict, None] = None
+    stream_options: Optional[dict] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[int]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+
+
+def _text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def _template_messages(messages: list[Message]) -> list[dict]:
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+        if m.tool_calls:
+            calls = []
+            for call in m.tool_calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):  # templates want a mapping
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        raise APIError(400, "tool_calls[].function.arguments is not valid JSON",
+                                       param="messages") from None
+                calls.append({"type": "function", "id": call.get("id"), "function": fn})
+            msg["tool_calls"] = calls
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+    max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
+    server.check_max_tokens(max_tokens)
+    drafter, depth = speculation_overrides(body.speculation, server.settings)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
+        raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=body.temperature,
+                             top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
+                             drafter=drafter, depth=depth)
+
+
+def _usage(gen: GenerationRequest, outcome: Outcome) -> dict:
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": outcome.completion_tokens,
+            "total_tokens": len(gen.prompt_ids) + outcome.completion_tokens,
+            "speculation": outcome.speculation()}
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _call_json(call: ToolCall, index: int) -> dict:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    server = request.app.state.server
+    server.check_model(body.model)
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    tools = body.tools if body.tool_choice != "none" else None
+    prompt_ids = server.encode_chat(_template_messages(body.messages), tools)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    gen = _generation(server, body, prompt_ids, max_tokens)
+    outcome = Outcome()
+    rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
+    deltas = server.generate(request, gen, outcome)
+    if not body.stream:
+        parser = ToolCallParser() if tools else None
+        text, calls = "", []
+        async for delta in deltas:
+            for piece in (parser.feed(delta) if parser else [delta]):
+                if isinstance(piece, ToolCall):
+                    calls.append(piece)
+                else:
+                    text += piece
+        for piece in parser.finish() if parser else []:
+            text += piece
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
+            for c in message["tool_calls"]:
+                c.pop("index")
+        finish = "tool_calls" if calls else outcome.finish_reason
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": _usage(gen, outcome)}
+
+    first = await _first(deltas)  # errors before the first byte are still plain HTTP errors
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+    async def events():
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None}]})
+        parser = ToolCallParser() if tools else None
+        n_calls = 0
+        try:
+            async for delta in _chain(first, deltas):
+                for piece in (parser.feed(delta) if parser else [delta]):
+                    if isinstance(piece, ToolCall):
+                        d = {"tool_calls": [_call_json(piece, n_calls)]}
+                        n_calls += 1
+                    else:
+                        d = {"content": piece}
+                    yield _sse({**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+            for piece in parser.finish() if parser else []:
+                yield _sse({**head, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+        except APIError as err:
+            yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+            return
+        finish = "tool_calls" if n_calls else outcome.finish_reason
+        yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(gen, outcome)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    server = request.app.state.server
+    server.check_model(body.model)
+    if isinstance(body.prompt, str):
+        if not body.prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        prompt_ids = list(server.spec.tokenizer.encode(body.prompt))
+    else:
+        prompt_ids = list(body.prompt)
+        vocab = server.spec.target.vocab_size
+        if not prompt_ids or any(t < 0 or t >= vocab for t in prompt_ids):
+            raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})", param="prompt")
+    gen = _generation(server, body, prompt_ids, body.max_tokens)
+    outcome = Outcome()
+    rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
+    prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    deltas = server.generate(request, gen, outcome)
+    if not body.stream:
+        text = prefix + "".join([d async for d in deltas])
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish_reason, "logprobs": None}],
+                "usage": _usage(gen, outcome)}
+
+    first = await _first(deltas)
+
+    async def events():
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        if prefix:
+            yield _sse({**head, "choices": [{"index": 0, "text": prefix, "finish_reason": None}]})
+        try:
+            async for delta in _chain(first, deltas):
+                yield _sse({**head, "choices": [{"index": 0, "text": delta, "finish_reason": None}]})
+        except APIError as err:
+            yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
+            return
+        yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": outcome.finish_reason}],
+                    "usage": _usage(gen, outcome)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+_END = object()
+
+
+async def _first(deltas):
+    """The first delta (or _END): raises queue-full and other errors before the response starts."""
+    try:
+        return await deltas.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _chain(first, deltas):
+    if first is _END:
+        return
+    yield first
+    async for d in deltas:
+        yield d
