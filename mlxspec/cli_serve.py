@@ -55,13 +55,16 @@ def serve(
         help="Model folder or cached repo id (default: the configured default, else the demo model).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="M", show_default=False, help="Draft model with the same tokenizer.")] = None,
-    drafter: Annotated[str, typer.Option(
-        "--drafter", metavar="NAME", help=f"Default drafter: {', '.join(DRAFTERS)}.")] = "auto",
+    drafter: Annotated[Optional[str], typer.Option(
+        "--drafter", metavar="NAME", show_default=False,
+        help=f"Default drafter: {', '.join(DRAFTERS)} (default: config, else auto).")] = None,
     preset: Annotated[Optional[str], typer.Option(
         "--preset", metavar="P", show_default=False,
         help="auto, mtp, pld, draft or off: as `run --preset` (an explicit --drafter wins).")] = None,
-    host: Annotated[str, typer.Option("--host", help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to bind.")] = 8000,
+    host: Annotated[Optional[str], typer.Option(
+        "--host", show_default=False, help="Address to bind (default: config, else 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(
+        "--port", show_default=False, help="Port to bind (default: config, else 8000).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", metavar="KEY", show_default=False, help="Require this key on every /v1 request.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(
@@ -74,10 +77,11 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
     with _user_errors():
-        if drafter not in DRAFTERS:
-            raise UsageError(f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter!r}")
-        if not 0 < port < 65536:
-            raise UsageError(f"--port must be 1-65535; got {port}")
+        from .config import settings
+
+        # unset flags come from $MLXSPEC_*, then the config file ([server], drafter, preset)
+        given = settings(dict(drafter=drafter, host=host, port=port, preset=preset))
+        drafter, host, port, preset = (given[k] for k in ("drafter", "host", "port", "preset"))
         if max_queue < 0 or max_tokens_cap < 1:
             raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
         key = _api_key(api_key, api_key_file)
@@ -100,8 +104,15 @@ def serve(
           f"{', draft ' + spec.draft.name if spec.draft else ''})")
     _note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{spec.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+    import logging
+
     import uvicorn
 
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    request_log = logging.getLogger("mlxspec.server")
+    request_log.addHandler(handler)  # one line per request: tokens, finish, drafted/accepted
+    request_log.setLevel(logging.INFO)
     try:
         uvicorn.run(application, host=host, port=port, log_level=log_level)
     except OSError as err:

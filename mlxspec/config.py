@@ -54,7 +54,7 @@ SETTINGS: dict[str, tuple[type, object, str, str]] = {
     "min_p": (float, 0.0, "MLXSPEC_MIN_P", "sampling.min_p"),
     "max_tokens": (int, 512, "MLXSPEC_MAX_TOKENS", "sampling.max_tokens"),
     "host": (str, "127.0.0.1", "MLXSPEC_HOST", "server.host"),
-    "port": (int, 8080, "MLXSPEC_PORT", "server.port"),
+    "port": (int, 8000, "MLXSPEC_PORT", "server.port"),
 }
 _DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
 _CHECKS = {  # name: (ok, what it must be)

@@ -294,3 +294,25 @@ def test_serve_refuses_public_bind_without_key():
                        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and "without an API key" in r.stderr
+
+
+def test_served_text_equals_mlxspec_run(tiny_qwen3, served):
+    """Exactness through the server: the same chat at temperature 0 as `mlxspec run` prints."""
+    from typer.testing import CliRunner
+
+    from mlxspec import cli
+
+    url, _ = served
+    prompt = MSG[0]["content"]
+    ran = CliRunner().invoke(cli.app, ["run", str(tiny_qwen3), prompt, "--temp", "0", "--max-tokens", "20",
+                                       "--json", "--drafter", "pld"])
+    assert ran.exit_code == 0, ran.output
+    served_text = _client(url).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=20, temperature=0).choices[0].message.content
+    assert served_text == json.loads(ran.stdout)["text"]
+
+
+def test_logprobs_are_refused_not_ignored(served):
+    url, _ = served
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "logprobs": True, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

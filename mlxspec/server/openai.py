@@ -39,6 +39,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     speculation: Optional[dict] = None
+    logprobs: Union[bool, int, None] = None
 
 
 class ChatRequest(_Sampling):
@@ -84,6 +85,8 @@ def _template_messages(messages: list[Message]) -> list[dict]:
 
 
 def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+    if body.logprobs:  # the engine does not return per-token log-probabilities yet
+        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
     max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
     server.check_max_tokens(max_tokens)
     drafter, depth = speculation_overrides(body.speculation, server.settings)
