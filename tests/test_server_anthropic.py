@@ -350,3 +350,41 @@ def test_auth_and_sdk_errors(base_url, client):
     status, answer = post(base_url, "/v1/messages/count_tokens", {"model": "tiny", "messages": []})
     assert status == 400
     _anthropic_error(answer, "invalid_request_error")
+
+
+def test_client_disconnect_cancels_the_generation(app, base_url, monkeypatch):
+    import http.client
+    import threading
+    import time
+
+    from mlxspec.engine.stats import Stats
+
+    worker = app.state.server.worker
+    made, closed = [], threading.Event()
+
+    class Slow:
+        def stream(self, **kwargs):
+            try:
+                for _ in range(kwargs["max_tokens"]):
+                    time.sleep(0.05)
+                    made.append(1)
+                    yield api.Chunk(text="a", tokens=[1], stats=Stats())
+            finally:
+                closed.set()
+
+    monkeypatch.setattr(worker, "spec", Slow())
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=30)
+    conn.request("POST", "/v1/messages", json.dumps({"model": "tiny", "max_tokens": 64, "stream": True,
+                                                     "messages": HELLO}),
+                 {"content-type": "application/json", "x-api-key": KEY})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"event: message_start")
+    resp.close()  # the socket goes with the response
+    conn.close()
+    assert closed.wait(10), "the generation was not stopped"
+    assert len(made) < 32
+    deadline = time.monotonic() + 5
+    while worker.depth and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.depth == 0

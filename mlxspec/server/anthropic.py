@@ -243,6 +243,18 @@ async def _chain(first, rest):
             yield item
 
 
+class _EventStream(StreamingResponse):
+    """Closes its generator as soon as the response ends: a client that went away cancels the
+    response while the generator waits at a ``yield``, and without this the generation would
+    run on until garbage collection got to it."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _sse(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
@@ -315,7 +327,7 @@ async def messages(body: MessagesBody, request: Request):
                                      "usage": final_usage()})
         yield _sse("message_stop", {"type": "message_stop"})
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
+    return _EventStream(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
