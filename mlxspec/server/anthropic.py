@@ -14,11 +14,10 @@ from contextlib import aclosing
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import MlxspecError
-from .app import APIError, GenerationRequest, Outcome, speculation_overrides
+from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -243,18 +242,6 @@ async def _chain(first, rest):
             yield item
 
 
-class _EventStream(StreamingResponse):
-    """Closes its generator as soon as the response ends: a client that went away cancels the
-    response while the generator waits at a ``yield``, and without this the generation would
-    run on until garbage collection got to it."""
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
 def _sse(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
@@ -327,8 +314,7 @@ async def messages(body: MessagesBody, request: Request):
                                      "usage": final_usage()})
         yield _sse("message_stop", {"type": "message_stop"})
 
-    return _EventStream(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return EventStream(stream())
 
 
 @router.post("/v1/messages/count_tokens")

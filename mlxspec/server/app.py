@@ -15,7 +15,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DRAFTERS
@@ -237,6 +237,22 @@ class Server:
         log.info("prompt=%d completion=%d finish=%s drafter=%s drafted=%d accepted=%d %.2fs",
                  len(gen.prompt_ids), outcome.completion_tokens, outcome.finish_reason, spec["drafter"],
                  spec["drafted"], spec["accepted"], seconds)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes its generator as soon as the response ends. A client that
+    went away cancels the response while the generator waits at a ``yield``; without this the
+    generation would run on until garbage collection got to it."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def _surface(path: str) -> str:

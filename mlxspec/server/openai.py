@@ -8,10 +8,9 @@ import uuid
 from typing import Any, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, GenerationRequest, Outcome, speculation_overrides
+from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
@@ -176,7 +175,7 @@ async def chat_completions(body: ChatRequest, request: Request):
             yield _sse({**head, "choices": [], "usage": _usage(gen, outcome)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events())
 
 
 @router.post("/v1/completions")
@@ -219,7 +218,7 @@ async def completions(body: CompletionRequest, request: Request):
                     "usage": _usage(gen, outcome)})
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return EventStream(events())
 
 
 _END = object()
