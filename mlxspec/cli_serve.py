@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import DRAFTERS, _error, _help, _note, _user_errors, app
+from .cli import DRAFTERS, _demo_notice, _error, _help, _note, _user_errors, app
 from .errors import UsageError
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
@@ -95,6 +95,8 @@ def serve(
         from .server.app import Settings, create_app
 
         spec = load(model, draft_model=draft_model)
+        if spec.is_demo:
+            _demo_notice(spec.name)
         settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,
                             max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors)
         application = create_app(spec, settings)
