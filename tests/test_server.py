@@ -316,3 +316,16 @@ def test_logprobs_are_refused_not_ignored(served):
     url, _ = served
     r = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "logprobs": True, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("/v1/messages", {"model": "tiny", "messages": MSG, "max_tokens": 2}),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_drafter_the_model_cannot_run_is_a_400_on_every_surface(served, path, body, stream):
+    """The engine's refusal (no MTP head in this model) is the client's error, never a 500."""
+    url, _ = served
+    r = httpx.post(url + path, json={**body, "stream": stream, "speculation": {"drafter": "mtp"}})
+    assert r.status_code == 400 and "no MTP head" in r.text

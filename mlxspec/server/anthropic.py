@@ -16,7 +16,6 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import MlxspecError
 from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides
 from .tools import ToolCall, ToolCallParser
 
@@ -268,16 +267,13 @@ async def messages(body: MessagesBody, request: Request):
 
     if not body.stream:
         blocks: list[dict] = []
-        try:
-            async for name, data in events:
-                if name == "content_block_start":
-                    blocks.append(dict(data["content_block"]))
-                elif name == "content_block_delta" and data["delta"]["type"] == "text_delta":
-                    blocks[-1]["text"] += data["delta"]["text"]
-                elif name == "content_block_delta":
-                    blocks[-1]["input"] = json.loads(data["delta"]["partial_json"])
-        except MlxspecError as err:
-            raise APIError(400, str(err)) from None
+        async for name, data in events:
+            if name == "content_block_start":
+                blocks.append(dict(data["content_block"]))
+            elif name == "content_block_delta" and data["delta"]["type"] == "text_delta":
+                blocks[-1]["text"] += data["delta"]["text"]
+            elif name == "content_block_delta":
+                blocks[-1]["input"] = json.loads(data["delta"]["partial_json"])
         n_calls = sum(b["type"] == "tool_use" for b in blocks)
         return {**message, "content": blocks, "stop_reason": stop_reason(outcome, n_calls),
                 "stop_sequence": outcome.stop_sequence if not n_calls else None, "usage": final_usage()}
@@ -286,8 +282,6 @@ async def messages(body: MessagesBody, request: Request):
         first = await events.__anext__()
     except StopAsyncIteration:
         first = None
-    except MlxspecError as err:
-        raise APIError(400, str(err)) from None
 
     async def stream():
         n_calls = 0
@@ -300,10 +294,9 @@ async def messages(body: MessagesBody, request: Request):
                         n_calls += 1
                     yield _sse(name, data)
             except Exception as err:  # the response has started: report in-band
-                if not isinstance(err, (APIError, MlxspecError)):
+                if not isinstance(err, APIError):
                     log.exception("generation failed mid-stream")
-                kind = getattr(err, "kind", "invalid_request_error" if isinstance(err, MlxspecError)
-                               else "api_error")
+                kind = getattr(err, "kind", "api_error")
                 text = err.message if isinstance(err, APIError) else str(err) or "internal server error"
                 yield _sse("error", {"type": "error", "error": {"type": kind, "message": text}})
                 return

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import DRAFTERS
+from ..errors import MlxspecError
 from .worker import QueueFull, Worker
 
 log = logging.getLogger("mlxspec.server")
@@ -198,7 +199,7 @@ class Server:
                            kind="overloaded_error", headers={"Retry-After": "1"}) from None
         held, started = "", time.perf_counter()
         try:
-            async for chunk in job.chunks():
+            async for chunk in _request_errors(job.chunks()):
                 if await request.is_disconnected():
                     return
                 outcome.completion_tokens += len(chunk.tokens)
@@ -253,6 +254,16 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+async def _request_errors(chunks):
+    """The engine refuses what the request asked for (e.g. drafter mtp on a model without a
+    head) with an MlxspecError: that is the client's 400, on every surface."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except MlxspecError as err:
+        raise APIError(400, str(err)) from None
 
 
 def _surface(path: str) -> str:
