@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides
+from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -234,13 +234,6 @@ def stop_reason(outcome: Outcome, tool_calls: int) -> str:
     return "max_tokens" if outcome.finish_reason == "length" else "end_turn"
 
 
-async def _chain(first, rest):
-    if first is not None:
-        yield first
-        async for item in rest:
-            yield item
-
-
 def _sse(name: str, data: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n"
 
@@ -278,10 +271,7 @@ async def messages(body: MessagesBody, request: Request):
         return {**message, "content": blocks, "stop_reason": stop_reason(outcome, n_calls),
                 "stop_sequence": outcome.stop_sequence if not n_calls else None, "usage": final_usage()}
 
-    try:  # errors before the first byte (queue full, bad drafter) are still plain HTTP errors
-        first = await events.__anext__()
-    except StopAsyncIteration:
-        first = None
+    chained = await started(events)  # errors before the first byte (queue full, bad drafter) stay HTTP errors
 
     async def stream():
         n_calls = 0
@@ -289,7 +279,7 @@ async def messages(body: MessagesBody, request: Request):
             yield _sse("message_start", {"type": "message_start", "message": message})
             yield _sse("ping", {"type": "ping"})
             try:
-                async for name, data in _chain(first, events):
+                async for name, data in chained:
                     if name == "content_block_start" and data["content_block"]["type"] == "tool_use":
                         n_calls += 1
                     yield _sse(name, data)

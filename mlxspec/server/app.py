@@ -256,6 +256,24 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+async def started(items: AsyncIterator) -> AsyncIterator:
+    """ITEMS with its first item awaited now: what fails before it (a full queue, a refused
+    drafter) raises here, while the response can still be a plain HTTP error."""
+    head = []
+    try:
+        head.append(await items.__anext__())
+    except StopAsyncIteration:
+        pass
+
+    async def chained():
+        for item in head:
+            yield item
+        async for item in items:
+            yield item
+
+    return chained()
+
+
 async def _request_errors(chunks):
     """The engine refuses what the request asked for (e.g. drafter mtp on a model without a
     head) with an MlxspecError: that is the client's 400, on every surface."""

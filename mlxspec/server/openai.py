@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides
+from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
@@ -146,7 +146,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": _usage(gen, outcome)}
 
-    first = await _first(deltas)  # errors before the first byte are still plain HTTP errors
+    deltas = await started(deltas)  # errors before the first byte are still plain HTTP errors
     include_usage = bool((body.stream_options or {}).get("include_usage"))
 
     async def events():
@@ -156,7 +156,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         parser = ToolCallParser() if tools else None
         n_calls = 0
         try:
-            async for delta in _chain(first, deltas):
+            async for delta in deltas:
                 for piece in (parser.feed(delta) if parser else [delta]):
                     if isinstance(piece, ToolCall):
                         d = {"tool_calls": [_call_json(piece, n_calls)]}
@@ -202,14 +202,14 @@ async def completions(body: CompletionRequest, request: Request):
                 "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish_reason, "logprobs": None}],
                 "usage": _usage(gen, outcome)}
 
-    first = await _first(deltas)
+    deltas = await started(deltas)
 
     async def events():
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if prefix:
             yield _sse({**head, "choices": [{"index": 0, "text": prefix, "finish_reason": None}]})
         try:
-            async for delta in _chain(first, deltas):
+            async for delta in deltas:
                 yield _sse({**head, "choices": [{"index": 0, "text": delta, "finish_reason": None}]})
         except APIError as err:
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
@@ -219,22 +219,3 @@ async def completions(body: CompletionRequest, request: Request):
         yield "data: [DONE]\n\n"
 
     return EventStream(events())
-
-
-_END = object()
-
-
-async def _first(deltas):
-    """The first delta (or _END): raises queue-full and other errors before the response starts."""
-    try:
-        return await deltas.__anext__()
-    except StopAsyncIteration:
-        return _END
-
-
-async def _chain(first, deltas):
-    if first is _END:
-        return
-    yield first
-    async for d in deltas:
-        yield d
