@@ -91,8 +91,10 @@ class SpecModel:
         *,
         system: str | None = None,
         raw: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """Token ids for a prompt: text (chat template applied unless ``raw``), messages, or ids."""
+        """Token ids for a prompt: text (chat template applied unless ``raw``), messages, or ids.
+        ``tools`` (function schemas) go to the chat template, which renders them for the model."""
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif prompt and isinstance(prompt[0], int):
@@ -103,7 +105,8 @@ class SpecModel:
             messages = [{"role": "system", "content": system}] + messages
         tok = self.tokenizer
         if not raw and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            extra = {"tools": tools} if tools else {}
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
             if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
                 ids = ids["input_ids"]
             return list(ids)

@@ -172,18 +172,10 @@ class Server:
                            param=param)
 
     def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
-        tok = self.spec.tokenizer
-        if not getattr(tok, "chat_template", None):
-            text = "\n".join(str(m.get("content") or "") for m in messages)
-            return list(tok.encode(text))
-        kwargs = {"tools": tools} if tools else {}
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+            return self.spec.encode(messages, tools=tools)
         except Exception as err:  # jinja raises many types on odd messages
             raise APIError(400, f"the chat template rejected these messages: {' '.join(str(err).split())[:200]}")
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
 
     async def generate(self, request: Request, gen: GenerationRequest, outcome: Outcome) -> AsyncIterator[str]:
         """Text deltas of one generation; OUTCOME is complete when the iterator ends."""
