@@ -10,9 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_map
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.api import load  # noqa: E402
 
@@ -24,8 +21,7 @@ ap.add_argument("--workload", default="completion")
 ap.add_argument("--tokens", type=int, default=256)
 a = ap.parse_args()
 spec = load(a.model, draft_model=a.draft_model)
-for m in [spec.target.model] + ([spec.draft.model] if spec.draft else []) + [h.module for h in [spec.mtp_head()[0]] if h]:
-    m.update(tree_map(lambda p: p.astype(mx.float32), m.parameters()))
+spec.astype("float32")
 print("verify cost curve", {n: round(v, 3) for n, v in sorted(spec.verify_cost().curve.items())})
 head = spec.mtp_head()[0]
 if head is not None and a.drafter == "mtp":

@@ -76,6 +76,19 @@ class SpecModel:
                 self._mtp = (None, str(err))
         return self._mtp
 
+    def astype(self, dtype: str) -> None:
+        """Cast the floating-point weights of the target, draft model and MTP head to DTYPE
+        (quantized weights stay as they are)."""
+        import mlx.core as mx
+        from mlx.utils import tree_map
+
+        target = getattr(mx, dtype)
+        head, _ = self.mtp_head()
+        modules = [self.target.model] + ([self.draft.model] if self.draft else []) + ([head.module] if head else [])
+        for module in modules:
+            module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+                                   module.parameters()))
+
     @property
     def name(self) -> str:
         return self.target.name

@@ -82,18 +82,6 @@ def _outputs(docs, json_path, png_path) -> None:
         _note(f"wrote {png_path}")
 
 
-def _cast(spec, dtype: str) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_map
-
-    target = getattr(mx, dtype)
-    head, _ = spec.mtp_head()
-    modules = [spec.target.model] + ([spec.draft.model] if spec.draft else []) + ([head.module] if head else [])
-    for module in modules:
-        module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                               module.parameters()))
-
-
 @app.command(help=BENCH_HELP)
 def bench(
     model: Annotated[Optional[str], typer.Argument(
@@ -224,7 +212,7 @@ def bench(
         if dtype is not None:
             _check(dtype in ("float32", "bfloat16", "float16"),
                    f"--dtype must be float32, bfloat16 or float16; got {dtype}")
-            _cast(spec, dtype)
+            spec.astype(dtype)
         options = Options(reps=reps or 3, draft_depth=draft_depth, depth=depth, temperature=temperature,
                           temp_pass=temp_pass, seed=seed, gates=gates)
         runner = Bench(spec, sets, chosen, options)
