@@ -14,20 +14,11 @@ with a cache fails. mlx-lm's own ``pipeline()`` sets ``ssm_idx = None`` in that 
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                  ".k_norm.weight", "model.norm.weight")
 _FAMILY = ("qwen3_5", "qwen3_5_moe")
-
-
-def _safetensors_keys(path: Path) -> list[str]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return [k for k in header if k != "__metadata__"]
 
 
 def _attention_only(config: dict) -> bool:
@@ -46,8 +37,10 @@ def needs_norm_shift(path: Path, config: dict) -> bool:
     """A raw (Hugging Face layout) Qwen3.5 checkpoint without GatedDeltaNet layers."""
     if not is_attention_only(config):
         return False
-    files = sorted(Path(path).glob("model*.safetensors"))
-    return any(k.startswith("model.language_model.") for f in files for k in _safetensors_keys(f))
+    import mlx.core as mx
+
+    files = sorted(Path(path).glob("model*.safetensors"))  # mx.load is lazy: only names are read
+    return any(k.startswith("model.language_model.") for f in files for k in mx.load(str(f)))
 
 
 def is_trunk_norm(name: str) -> bool:
