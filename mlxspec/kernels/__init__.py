@@ -1,0 +1,48 @@
+"""Verify kernels for MLX's CUDA backend (``mx.fast.cuda_kernel``).
+
+Two things make a verify forward of a few tokens cost far more than one token there:
+mlx-lm's GatedDeltaNet recurrence has a fused kernel only on Metal (elsewhere it is a loop of
+ops per token), and MLX's quantized matmul for 2..7 rows reads the weights once per row.
+:mod:`.gdn` and :mod:`.qmm` replace both on CUDA; everywhere else, and with
+``MLXSPEC_KERNELS=0``, mlx-lm's and MLX's own paths run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ENV = "MLXSPEC_KERNELS"
+
+
+def cuda() -> bool:
+    """MLX runs on its CUDA backend here."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+def active() -> bool:
+    """Use mlxspec's kernels now: on CUDA, unless ``MLXSPEC_KERNELS=0``. Read on every call,
+    so the switch also works on a model already loaded (the fallback is always there)."""
+    return os.environ.get(ENV, "1") != "0" and cuda()
+
+
+@functools.lru_cache(maxsize=1024)
+def int_array(*values: int) -> mx.array:
+    """A small int32 array of kernel arguments (sizes), made once and kept: a new array per
+    call would cost a host-to-device copy each launch (measured: ~30 us a matmul)."""
+    arr = mx.array(values, dtype=mx.int32)
+    mx.eval(arr)
+    return arr
+
+
+def install(model: nn.Module) -> dict:
+    """Route a loaded model's GatedDeltaNet recurrences and small-batch quantized matmuls
+    through the CUDA kernels where they are active; a no-op elsewhere. Returns what it did."""
+    if not active():
+        return {"gdn": False, "qmm_layers": 0}
+    from . import gdn, qmm
+
+    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model)}

@@ -1,0 +1,285 @@
+"""Small-batch quantized matmul for MLX's CUDA backend: 1..8 rows, each weight read once.
+
+MLX's CUDA quantized matmul for 2..7 rows (the qmv path) reads the weights once per row, so a
+verify of 4 tokens costs about 4 decode steps in its linear layers; at 8 rows it switches to a
+tensor-core path. Here one warp computes one output column for all M rows: each lane streams
+16 bytes of packed weights per step, dequantizes them (affine: scale * q + bias, MLX's packing
+of 32/bits values per uint32, lowest bits first) and accumulates them into M row sums.
+
+Whether it beats ``mx.quantized_matmul`` depends on the shape and the GPU, so :func:`install`
+times both for every (weight shape, M) of the model and uses this kernel only where it won.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import active, int_array
+
+MAX_ROWS = 8
+MIN_ROWS = 1  # one row (decode) too, where the timing says it wins: same kernel, same rounding
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+WIN_MARGIN = 0.95  # ours must take at most 95% of MLX's time to be chosen (timing noise)
+
+_HEADER = """
+template <typename T, int N> __device__ inline void load_floats(const T* p, float* out);
+
+template <> __device__ inline void load_floats<float, 8>(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    float4 b = *reinterpret_cast<const float4*>(p + 4);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+template <> __device__ inline void load_floats<float, 4>(const float* p, float* out) {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+}
+template <> __device__ inline void load_floats<__nv_bfloat16, 8>(const __nv_bfloat16* p, float* out) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int i = 0; i < 4; ++i) { float2 f = __bfloat1622float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+template <> __device__ inline void load_floats<__nv_bfloat16, 4>(const __nv_bfloat16* p, float* out) {
+    uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int i = 0; i < 2; ++i) { float2 f = __bfloat1622float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+template <> __device__ inline void load_floats<__half, 8>(const __half* p, float* out) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    for (int i = 0; i < 4; ++i) { float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+template <> __device__ inline void load_floats<__half, 4>(const __half* p, float* out) {
+    uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    for (int i = 0; i < 2; ++i) { float2 f = __half22float2(h[i]); out[2 * i] = f.x; out[2 * i + 1] = f.y; }
+}
+"""
+
+_SOURCE = """
+    // x: [M, K]; w: [N, K * Bits / 32] uint32; scales, biases: [N, K / GS]; y: [M, N]
+    // A warp computes Cols adjacent output columns for all M rows: each x chunk it loads
+    // serves Cols columns, and the Cols weight loads of a step are in flight together.
+    constexpr int VPW = 32 / Bits;       // values per packed uint32
+    constexpr int VPL = 4 * VPW;         // values per lane per step (one 16-byte load)
+    constexpr uint32_t MASK = (1u << Bits) - 1u;
+    const int M = dims[0];
+    const int K = dims[1];
+    const int N = dims[2];
+    const int GS = dims[3];
+    const int col0 = ((blockIdx.x * blockDim.x + threadIdx.x) / 32) * Cols;
+    const int lane = threadIdx.x % 32;
+    if (col0 >= N) {
+        return;  // whole warps only: col0 is the same on all lanes of a warp
+    }
+    float acc[MaxM][Cols];
+    #pragma unroll
+    for (int m = 0; m < MaxM; ++m) {
+        #pragma unroll
+        for (int c = 0; c < Cols; ++c) {
+            acc[m][c] = 0.0f;
+        }
+    }
+    for (int k0 = lane * VPL; k0 < K; k0 += 32 * VPL) {
+        uint4 packed[Cols];
+        float scale[Cols], bias[Cols];
+        #pragma unroll
+        for (int c = 0; c < Cols; ++c) {
+            const int col = min(col0 + c, N - 1);  // past N: a duplicate, never written
+            packed[c] = __ldg(reinterpret_cast<const uint4*>(w + (size_t)col * (K / VPW) + k0 / VPW));
+            scale[c] = static_cast<float>(scales[(size_t)col * (K / GS) + k0 / GS]);
+            bias[c] = static_cast<float>(biases[(size_t)col * (K / GS) + k0 / GS]);
+        }
+        #pragma unroll
+        for (int wi = 0; wi < 4; ++wi) {
+            float wv[Cols][VPW];
+            #pragma unroll
+            for (int c = 0; c < Cols; ++c) {
+                const uint32_t word = wi == 0 ? packed[c].x : wi == 1 ? packed[c].y : wi == 2 ? packed[c].z : packed[c].w;
+                #pragma unroll
+                for (int j = 0; j < VPW; ++j) {
+                    wv[c][j] = scale[c] * static_cast<float>((word >> (Bits * j)) & MASK) + bias[c];
+                }
+            }
+            const int kk = k0 + wi * VPW;
+            #pragma unroll
+            for (int m = 0; m < MaxM; ++m) {
+                if (m < M) {
+                    float xv[VPW];
+                    load_floats<InT, VPW>(x + (size_t)m * K + kk, xv);
+                    #pragma unroll
+                    for (int c = 0; c < Cols; ++c) {
+                        #pragma unroll
+                        for (int j = 0; j < VPW; ++j) {
+                            acc[m][c] += xv[j] * wv[c][j];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MaxM; ++m) {
+        if (m < M) {
+            #pragma unroll
+            for (int c = 0; c < Cols; ++c) {
+                float total = acc[m][c];
+                #pragma unroll
+                for (int off = 16; off > 0; off >>= 1) {
+                    total += __shfl_xor_sync(0xffffffff, total, off);
+                }
+                if (lane == 0 && col0 + c < N) {
+                    y[(size_t)m * N + col0 + c] = static_cast<InT>(total);
+                }
+            }
+        }
+    }
+"""
+
+COLS = 4  # output columns per warp
+
+
+def _bucket(rows: int) -> int:
+    """Accumulator rows compiled in: 1, 2, 4 or 8 (registers grow with them; occupancy falls)."""
+    return 1 << (rows - 1).bit_length()
+WARPS_PER_BLOCK = 8
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="mlxspec_qmm_small_m",
+        input_names=["x", "w", "scales", "biases", "dims"],
+        output_names=["y"],
+        header=_HEADER,
+        source=_SOURCE,
+    )
+
+
+def eligible(x_dtype, w: mx.array, scales: mx.array, biases, group_size: int, bits: int, mode: str) -> bool:
+    """Layouts the kernel takes: affine 4/8-bit, group 32/64/128, activations in the scales'
+    float type."""
+    return (
+        mode == "affine" and biases is not None and bits in BITS and group_size in GROUP_SIZES
+        and x_dtype == scales.dtype and x_dtype in (mx.float32, mx.float16, mx.bfloat16)
+        and w.ndim == 2 and (w.shape[1] * 32 // bits) % group_size == 0
+    )
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
+                     group_size: int, bits: int) -> mx.array:
+    """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` for x of at most
+    :data:`MAX_ROWS` rows (all leading axes together)."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    rows = x.size // K
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"small-M quantized matmul takes 1..{MAX_ROWS} rows, got {rows}")
+    (y,) = _kernel()(
+        inputs=[x.reshape(rows, K), w, scales, biases, int_array(rows, K, N, group_size)],
+        template=[("Bits", bits), ("MaxM", _bucket(rows)), ("Cols", COLS), ("InT", x.dtype)],
+        grid=(32 * -(-N // COLS), 1, 1),
+        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
+        output_shapes=[(rows, N)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(*x.shape[:-1], N)
+
+
+# (N, K, bits, group size, dtype, rows) -> (MLX's seconds, this kernel's seconds) when timed
+_TIMES: dict[tuple, tuple[float, float]] = {}
+
+
+def _wins(key: tuple) -> bool:
+    times = _TIMES.get(key)
+    return times is not None and times[1] < WIN_MARGIN * times[0]
+
+
+def _key(module, dtype, rows: int) -> tuple:
+    N, packed = module["weight"].shape
+    return (N, packed * 32 // module.bits, module.bits, module.group_size, str(dtype), rows)
+
+
+def _use(module, x: mx.array) -> bool:
+    rows = x.size // x.shape[-1]
+    return MIN_ROWS <= rows <= MAX_ROWS and active() and _wins(_key(module, x.dtype, rows))
+
+
+def _matmul(module, x: mx.array) -> mx.array:
+    return quantized_matmul(x, module["weight"], module["scales"], module["biases"],
+                            group_size=module.group_size, bits=module.bits)
+
+
+class SmallMQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` that sends 1..8-row inputs to the kernel where it was faster."""
+
+    def __call__(self, x):
+        if not _use(self, x):
+            return super().__call__(x)
+        y = _matmul(self, x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose tied-output ``as_linear`` does the same."""
+
+    def as_linear(self, x):
+        return _matmul(self, x) if _use(self, x) else super().as_linear(x)
+
+
+SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding}
+
+
+def _seconds(fn, reps: int = 3, inner: int = 10) -> float:
+    """Fastest of ``reps`` timings of ``inner`` back-to-back calls, per call."""
+    mx.eval(fn())  # compiles and warms up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(inner)])
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def time_both(module, rows: int, dtype) -> tuple[float, float]:
+    """(MLX's seconds, this kernel's seconds) for ``rows`` rows through ``module``'s weights."""
+    K = module["weight"].shape[1] * 32 // module.bits
+    x = mx.random.normal((rows, K)).astype(dtype)
+    mx.eval(x)
+    theirs = _seconds(lambda: mx.quantized_matmul(
+        x, module["weight"], module["scales"], module["biases"], transpose=True,
+        group_size=module.group_size, bits=module.bits))
+    return theirs, _seconds(lambda: _matmul(module, x))
+
+
+def install(model: nn.Module, rows=range(MIN_ROWS, MAX_ROWS + 1)) -> int:
+    """Swap the model's eligible quantized layers for the small-M classes and time, once per
+    distinct weight shape, both matmuls at each row count. Returns how many layers it swapped."""
+    swapped = 0
+    for _, module in model.named_modules():
+        cls = SWAPS.get(type(module))
+        if cls is None:
+            continue
+        dtype = module["scales"].dtype
+        if not eligible(dtype, module["weight"], module["scales"], module.get("biases"),
+                        module.group_size, module.bits, getattr(module, "mode", "affine")):
+            continue
+        module.__class__ = cls
+        swapped += 1
+        for n in rows:
+            key = _key(module, dtype, n)
+            if key not in _TIMES:
+                _TIMES[key] = time_both(module, n, dtype)
+    return swapped
+
+
+def decisions() -> list[dict]:
+    """The timing decisions made so far, for reports."""
+    return [dict(zip(("N", "K", "bits", "group_size", "dtype", "rows"), k), mlx_ms=round(t[0] * 1e3, 4),
+                 kernel_ms=round(t[1] * 1e3, 4), kernel=_wins(k))
+            for k, t in sorted(_TIMES.items())]
