@@ -5,6 +5,7 @@ Rich tables and a matplotlib bar chart. Tables and chart are made from the JSON 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import sys
@@ -33,9 +34,13 @@ def environment() -> dict:
         info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float, bool))}
     except Exception:  # not every backend describes its device
         info = {}
+    from .kernels import ENV, active
+    from .kernels.qmm import decisions
+
     return {
         "mlxspec": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
         "device": str(mx.default_device()), "device_info": info,
+        "kernels": {"active": active(), ENV: os.environ.get(ENV), "qmm_decisions": decisions()},
         "python": platform.python_version(), "platform": platform.platform(),
         "command": _command_line(), "argv": list(sys.argv), "executable": sys.executable,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),

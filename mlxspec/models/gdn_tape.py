@@ -5,7 +5,8 @@ recurrence: the conv input (state rows + new rows) and the post-conv q, k, v wit
 inputs a, b. When only m of the S tokens are accepted, the conv state is a slice of the conv
 input and the recurrent state is m steps of mlx-lm's own ``gated_delta_update`` from the
 snapshot taken before the verify: the same arithmetic as the verify's own first m steps, with
-no projection weights read again (a full re-forward reads the whole model).
+no projection weights read again (a full re-forward reads the whole model). On CUDA both run
+mlxspec's fused kernel (:mod:`mlxspec.kernels.gdn`), one launch a layer.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
+
+from ..kernels.gdn import gated_delta_update  # mlx-lm's own, or the CUDA kernel there
 
 
 @dataclass

@@ -210,4 +210,7 @@ def load_model(ref: str | None) -> LoadedModel:
     except Exception as err:  # mlx/transformers raise many types for broken files
         raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
     fix_loaded(model, path, config)
+    from ..kernels import install
+
+    install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)

@@ -123,4 +123,7 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
         if bits:
             nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
         mx.eval(layer.parameters())
+    from ..kernels import install
+
+    install(model)  # as a loaded checkpoint gets (CUDA verify kernels)
     return model
