@@ -28,11 +28,16 @@ def parse_shapes(text: str) -> list[str]:
 
 
 def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256, reps: int = 5,
-              on_step=None) -> dict:
+              on_step=None, kernels_off: bool = False) -> dict:
     """For each shape: build the random model, time forwards of 1..max_tokens tokens (one
     untimed forward per width first, then ``reps`` timed), return ms per forward (median and
-    every sample) and the ratio to one token."""
+    every sample) and the ratio to one token. ``kernels_off`` adds, per shape, the same timing
+    with mlxspec's CUDA kernels switched off, as an entry named 'SHAPE (kernels off)'."""
+    import os
+
     import mlx.core as mx
+
+    from .kernels import ENV
 
     from .engine.cache import model_nbytes
     from .engine.costs import verify_times
@@ -51,20 +56,32 @@ def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256
         t0 = time.perf_counter()
         model = random_model(shape, bits=bits)
         build_s = time.perf_counter() - t0
-        if on_step:
-            on_step(f"timing {shape}", i, len(shapes))
-        times = verify_times(model, widths=range(1, max_tokens + 1), context=context, reps=reps,
-                             vocab=vocab_size(shape), warmup_each=True)
-        base = statistics.median(times[1])
-        rows = [{"tokens": n, "ms": round(statistics.median(times[n]) * 1e3, 4),
-                 "ratio": round(statistics.median(times[n]) / base, 4),
-                 "samples_ms": [round(t * 1e3, 4) for t in times[n]]}
-                for n in range(1, max_tokens + 1)]
         config = shape_config(shape)
-        results.append({"shape": shape, "model_type": config["model_type"],
-                        "config": config.get("text_config", config), "bits": bits,
-                        "weights_mb": round(model_nbytes(model) / 1e6, 1), "build_s": round(build_s, 2),
-                        "context": context, "reps": reps, "rows": rows})
+        for off in (True, False) if kernels_off else (False,):
+            if on_step:
+                on_step(f"timing {shape}" + (" (kernels off)" if off else ""), i, len(shapes))
+            saved = os.environ.get(ENV)
+            if off:
+                os.environ[ENV] = "0"
+            try:
+                times = verify_times(model, widths=range(1, max_tokens + 1), context=context,
+                                     reps=reps, vocab=vocab_size(shape), warmup_each=True)
+            finally:
+                if off and saved is None:
+                    os.environ.pop(ENV)
+                elif off:
+                    os.environ[ENV] = saved
+            base = statistics.median(times[1])
+            rows = [{"tokens": n, "ms": round(statistics.median(times[n]) * 1e3, 4),
+                     "ratio": round(statistics.median(times[n]) / base, 4),
+                     "samples_ms": [round(t * 1e3, 4) for t in times[n]]}
+                    for n in range(1, max_tokens + 1)]
+            results.append({"shape": shape + (" (kernels off)" if off else ""),
+                            "model_type": config["model_type"],
+                            "config": config.get("text_config", config), "bits": bits,
+                            "weights_mb": round(model_nbytes(model) / 1e6, 1),
+                            "build_s": round(build_s, 2), "context": context, "reps": reps,
+                            "rows": rows})
         del model
         mx.clear_cache()
     if on_step:

@@ -156,6 +156,10 @@ def bench(
              "backends whose bf16 kernels do not repeat bit for bit.")] = None,
     sweep_context: Annotated[int, typer.Option(
         "--sweep-context", metavar="N", help="Sweep: tokens already in the cache.")] = 256,
+    kernels_off: Annotated[bool, typer.Option(
+        "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
+             "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
+             "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")] = False,
 ) -> None:
     with _user_errors():
         if from_json:
@@ -182,13 +186,17 @@ def bench(
             _check(model is None and draft_model is None,
                    "--sweep builds its own random models: give no MODEL or --draft-model")
             _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+            from .kernels import cuda
+
+            _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
+                   "machine is not running MLX's CUDA backend, where they are never on")
             from .bench_report import sweep_document
             from .bench_sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
 
             shapes = list(DEFAULT_SHAPES) if sweep.strip() == "all" else parse_shapes(sweep)
             with _progress("sweep") as on_step:
                 result = run_sweep(shapes, bits=bits, max_tokens=sweep_tokens, context=sweep_context,
-                                   reps=reps or 5, on_step=on_step)
+                                   reps=reps or 5, on_step=on_step, kernels_off=kernels_off)
             _outputs([sweep_document(result)], json_path, png_path)
             return
 

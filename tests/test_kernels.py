@@ -7,6 +7,7 @@
 The kernels' numbers are checked on the GPU machine: tests/test_kernels_gpu.py.
 """
 
+import os
 import shutil
 import subprocess
 
@@ -136,3 +137,27 @@ def test_swap_follows_the_timing_and_falls_back_when_off(monkeypatch):
     monkeypatch.setattr(qmm, "active", lambda: False)
     after = mlp.layers[1](mlp.layers[0](x))
     assert mx.array_equal(before, after)
+
+
+def test_sweep_times_each_shape_with_the_kernels_off_too(monkeypatch):
+    from mlxspec.bench_sweep import run_sweep
+
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    seen = []
+    monkeypatch.setattr("mlxspec.engine.costs.verify_times",
+                        lambda *a, **k: seen.append(os.environ.get(kernels.ENV))
+                        or {1: [0.01], 2: [0.015]})
+    result = run_sweep(["smoke"], bits=0, max_tokens=2, reps=1, kernels_off=True)
+    assert [s["shape"] for s in result["shapes"]] == ["smoke (kernels off)", "smoke"]
+    assert seen == ["0", None]  # off first, then as the user had it
+    assert result["shapes"][0]["rows"][1]["ratio"] == 1.5
+
+
+def test_sweep_kernels_off_needs_cuda(monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlxspec.cli import app
+
+    monkeypatch.setattr(kernels, "cuda", lambda: False)
+    done = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--kernels-off"])
+    assert done.exit_code == 2 and "not running MLX's CUDA backend" in done.output
