@@ -18,9 +18,14 @@ import mlx.nn as nn
 ENV = "MLXSPEC_KERNELS"
 
 
+@functools.cache
+def _cuda_backend() -> bool:
+    return mx.cuda.is_available()  # fixed for the process; asked on every layer call otherwise
+
+
 def cuda() -> bool:
     """MLX runs on its CUDA backend here."""
-    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+    return _cuda_backend() and mx.default_device() == mx.gpu
 
 
 def active() -> bool:
