@@ -17,8 +17,8 @@ Parts (each prints a table and goes into --out as JSON):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,13 +34,8 @@ from mlxspec.kernels import gdn, qmm  # noqa: E402
 
 
 def _best(fn, reps=5, inner=10) -> float:
-    mx.eval(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(inner)])
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best * 1e3
+    """ms per call: the fastest of ``reps`` timings of ``inner`` back-to-back calls."""
+    return qmm.seconds_per_call(fn, reps, inner) * 1e3
 
 
 def part_qmm() -> list[dict]:
@@ -93,15 +88,14 @@ def part_sweep(shapes, reps: int) -> list[dict]:
     for shape in shapes:
         model = random_model(shape, bits=4)  # installs the kernels (times the qmm choices)
         entry = {"shape": shape, "qmm_decisions": [d for d in qmm.decisions()]}
-        for label, env in (("off", "0"), ("on", "1")):
-            os.environ[kernels.ENV] = env
-            times = verify_times(model, widths=widths, context=256, reps=reps, vocab=vocab_size(shape),
-                                 warmup_each=True)
+        for label in ("off", "on"):
+            with kernels.switched_off() if label == "off" else contextlib.nullcontext():
+                times = verify_times(model, widths=widths, context=256, reps=reps,
+                                     vocab=vocab_size(shape), warmup_each=True)
             ms = {n: statistics.median(times[n]) * 1e3 for n in widths}
             entry[label] = {"ms": {n: round(v, 4) for n, v in ms.items()},
                             "ratio": {n: round(v / ms[1], 4) for n, v in ms.items()}}
             print(f"sweep {shape:16s} kernels {label:3s} " + " ".join(f"{ms[n]:7.2f}" for n in widths))
-        os.environ[kernels.ENV] = "1"
         out.append(entry)
         del model
         mx.clear_cache()
@@ -140,28 +134,27 @@ def part_train(batch: int, seq: int, reps: int) -> list[dict]:
 
         initial = tree_flatten(model.parameters())
         step_grad = nn.value_and_grad(model, loss_fn)
-        for label, env in (("off", "0"), ("on", "1")):
+        for label in ("off", "on"):
             if kind == "attention-only" and label == "off":
                 continue  # no GatedDeltaNet layer: the switch changes nothing
-            os.environ[kernels.ENV] = env
             model.update(tree_unflatten(initial))  # both modes train from the same weights
             opt = optim.AdamW(1e-4)
             times, losses = [], []
-            for i in range(reps + 2):
-                t0 = time.perf_counter()
-                loss, grads = step_grad(model, tokens[:, :-1], tokens[:, 1:])
-                opt.update(model, grads)
-                mx.eval(loss, model.parameters(), opt.state)
-                losses.append(round(loss.item(), 5))
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
+            with kernels.switched_off() if label == "off" else contextlib.nullcontext():
+                for i in range(reps + 2):
+                    t0 = time.perf_counter()
+                    loss, grads = step_grad(model, tokens[:, :-1], tokens[:, 1:])
+                    opt.update(model, grads)
+                    mx.eval(loss, model.parameters(), opt.state)
+                    losses.append(round(loss.item(), 5))
+                    if i >= 2:
+                        times.append(time.perf_counter() - t0)
             ms = statistics.median(times) * 1e3
             print(f"train {kind:15s} kernels {label:3s} {ms:9.1f} ms/step  losses {losses}  "
                   f"({params / 1e6:.0f}M params, batch {batch}x{seq})")
             out.append({"model": kind, "kernels": label, "ms_per_step": round(ms, 2),
                         "samples_ms": [round(t * 1e3, 2) for t in times], "params": params,
                         "batch": batch, "seq": seq, "losses": losses})
-        os.environ[kernels.ENV] = "1"
         del model
         mx.clear_cache()
     return out

@@ -33,14 +33,13 @@ def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256
     untimed forward per width first, then ``reps`` timed), return ms per forward (median and
     every sample) and the ratio to one token. ``kernels_off`` adds, per shape, the same timing
     with mlxspec's CUDA kernels switched off, as an entry named 'SHAPE (kernels off)'."""
-    import os
+    import contextlib
 
     import mlx.core as mx
 
-    from .kernels import ENV
-
     from .engine.cache import model_nbytes
     from .engine.costs import verify_times
+    from .kernels import switched_off
     from .models.synthetic import random_model, shape_config, vocab_size
 
     if max_tokens < 1:
@@ -60,17 +59,9 @@ def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256
         for off in (True, False) if kernels_off else (False,):
             if on_step:
                 on_step(f"timing {shape}" + (" (kernels off)" if off else ""), i, len(shapes))
-            saved = os.environ.get(ENV)
-            if off:
-                os.environ[ENV] = "0"
-            try:
+            with switched_off() if off else contextlib.nullcontext():
                 times = verify_times(model, widths=range(1, max_tokens + 1), context=context,
                                      reps=reps, vocab=vocab_size(shape), warmup_each=True)
-            finally:
-                if off and saved is None:
-                    os.environ.pop(ENV)
-                elif off:
-                    os.environ[ENV] = saved
             base = statistics.median(times[1])
             rows = [{"tokens": n, "ms": round(statistics.median(times[n]) * 1e3, 4),
                      "ratio": round(statistics.median(times[n]) / base, 4),

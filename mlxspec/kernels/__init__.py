@@ -9,6 +9,7 @@ ops per token), and MLX's quantized matmul for 2..7 rows reads the weights once 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -32,6 +33,21 @@ def active() -> bool:
     """Use mlxspec's kernels now: on CUDA, unless ``MLXSPEC_KERNELS=0``. Read on every call,
     so the switch also works on a model already loaded (the fallback is always there)."""
     return os.environ.get(ENV, "1") != "0" and cuda()
+
+
+@contextlib.contextmanager
+def switched_off():
+    """Run a block with the kernels off (``MLXSPEC_KERNELS=0``), then put the variable back
+    as it was: for timing the same model both ways."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 @functools.lru_cache(maxsize=1024)

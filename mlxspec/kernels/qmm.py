@@ -238,7 +238,7 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
 SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding}
 
 
-def _seconds(fn, reps: int = 3, inner: int = 10) -> float:
+def seconds_per_call(fn, reps: int = 3, inner: int = 10) -> float:
     """Fastest of ``reps`` timings of ``inner`` back-to-back calls, per call."""
     mx.eval(fn())  # compiles and warms up
     best = float("inf")
@@ -254,10 +254,10 @@ def time_both(module, rows: int, dtype) -> tuple[float, float]:
     K = module["weight"].shape[1] * 32 // module.bits
     x = mx.random.normal((rows, K)).astype(dtype)
     mx.eval(x)
-    theirs = _seconds(lambda: mx.quantized_matmul(
+    theirs = seconds_per_call(lambda: mx.quantized_matmul(
         x, module["weight"], module["scales"], module["biases"], transpose=True,
         group_size=module.group_size, bits=module.bits))
-    return theirs, _seconds(lambda: _matmul(module, x))
+    return theirs, seconds_per_call(lambda: _matmul(module, x))
 
 
 def install(model: nn.Module, rows=range(MIN_ROWS, MAX_ROWS + 1)) -> int:
