@@ -105,9 +105,11 @@ class SpecModel:
         system: str | None = None,
         raw: bool = False,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """Token ids for a prompt: text (chat template applied unless ``raw``), messages, or ids.
-        ``tools`` (function schemas) go to the chat template, which renders them for the model."""
+        ``tools`` (function schemas) go to the chat template, which renders them for the model;
+        ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``)."""
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif prompt and isinstance(prompt[0], int):
@@ -118,7 +120,9 @@ class SpecModel:
             messages = [{"role": "system", "content": system}] + messages
         tok = self.tokenizer
         if not raw and getattr(tok, "chat_template", None):
-            extra = {"tools": tools} if tools else {}
+            extra = dict(template_kwargs or {})
+            if tools:
+                extra["tools"] = tools
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
             if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
                 ids = ids["input_ids"]
@@ -143,6 +147,7 @@ class SpecModel:
         raw: bool = False,
         max_depth: int | None = None,
         gates: bool = True,
+        template_kwargs: dict | None = None,
     ) -> Iterator[Chunk]:
         """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final."""
         if drafter not in DRAFTERS:
@@ -151,7 +156,7 @@ class SpecModel:
             raise UsageError("max_tokens must be at least 1")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         sampling.validate()
-        prompt_ids = self.encode(prompt, system=system, raw=raw)
+        prompt_ids = self.encode(prompt, system=system, raw=raw, template_kwargs=template_kwargs)
         if not prompt_ids:
             raise UsageError("the prompt is empty")
 
