@@ -65,6 +65,68 @@ class _Segment:
         return self.start + self.tokens.shape[0]
 
 
+@dataclass
+class Snapshot:
+    """A cache's contents over its first ``length`` tokens, kept so a later request that
+    starts with the same tokens skips their prefill.
+
+    The arrays are new array objects sharing the cache's buffers: a later in-place write to
+    the live cache makes MLX copy the buffer instead (it is still referenced), so a snapshot
+    never changes. Attention-only snapshots (``trimmable``) serve any shorter prefix too;
+    one holding recurrent state serves exactly ``length`` tokens."""
+
+    length: int
+    leaves: list  # per cache leaf: ("kv", k, v) | ("ring", k, v, offset, idx) | ("arrays", [..])
+    trimmable: bool
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for leaf in self.leaves:
+            arrays = leaf[1] if leaf[0] == "arrays" else leaf[1:3]
+            total += sum(a.nbytes for a in arrays if isinstance(a, mx.array))
+        return total
+
+
+def snapshot_caches(caches: list, length: int) -> Snapshot | None:
+    """The contents of CACHES (all holding ``length`` tokens); None for cache kinds it does
+    not know how to copy (they are simply never cached)."""
+    leaves, trimmable = [], True
+    for c in _leaves(caches):
+        if isinstance(c, ArraysCache):
+            leaves.append(("arrays", list(c.cache)))
+            trimmable = False
+        elif isinstance(c, RotatingKVCache):
+            k, v = (None, None) if c.keys is None else (c.keys[...], c.values[...])
+            leaves.append(("ring", k, v, c.offset, c._idx))
+            trimmable = trimmable and c.offset < c.max_size  # not wrapped: in temporal order
+        elif type(c) is KVCache:
+            k, v = (None, None) if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+            leaves.append(("kv", k, v))
+        else:
+            return None
+    snap = Snapshot(length, leaves, trimmable)
+    mx.eval([a for leaf in leaves for a in (leaf[1] if leaf[0] == "arrays" else leaf[1:3]) if a is not None])
+    return snap
+
+
+def restore_caches(caches: list, snap: Snapshot, length: int) -> None:
+    """Load SNAP's first ``length`` tokens into fresh CACHES of the same model."""
+    if length != snap.length and not (snap.trimmable and length < snap.length):
+        raise ValueError(f"a {snap.length}-token snapshot cannot serve {length} tokens")
+    for c, leaf in zip(_leaves(caches), snap.leaves, strict=True):
+        kind = leaf[0]
+        if kind == "arrays":
+            c.cache = list(leaf[1])  # forwards replace these arrays, never write into them
+        elif leaf[1] is None:
+            continue
+        elif kind == "kv":  # new array objects: writes go to them, never to the snapshot's
+            c.keys, c.values, c.offset = leaf[1][..., :length, :], leaf[2][..., :length, :], length
+        else:
+            c.keys, c.values, c.offset, c._idx = leaf[1][...], leaf[2][...], leaf[3], leaf[4]
+            c.trim(leaf[3] - length)
+
+
 def _save_ring(c: RotatingKVCache) -> tuple:
     # Views keep the old contents: MLX copies on write when a buffer is still referenced.
     return c.keys[...], c.values[...], c.offset, c._idx
@@ -158,6 +220,17 @@ class ModelState:
                 c.record_tape, c.tape = False, None
         self.length += tokens.shape[0]
         return logits
+
+    def snapshot(self) -> Snapshot | None:
+        """The cache's contents now (``length`` tokens), or None if they cannot be copied."""
+        return snapshot_caches(self.cache, self.length) if self.rollback_error is None else None
+
+    def restore(self, snap: Snapshot, length: int) -> None:
+        """Start this (fresh) state from SNAP's first ``length`` tokens."""
+        if self.length:
+            raise ValueError("restore() needs a fresh ModelState")
+        restore_caches(self.cache, snap, length)
+        self.length = length
 
     def commit(self) -> None:
         """Everything fed so far is final: drop rollback records."""

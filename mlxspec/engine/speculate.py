@@ -9,7 +9,7 @@ nothing over ``mlx_lm.stream_generate``.
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +23,7 @@ from .drafters.draft_model import DraftModelDrafter
 from .drafters.mtp import MTPDrafter
 from .drafters.pld import PromptLookupDrafter, repetition_score
 from .gates import CostModel, ShadowDrafts, SpeculationGate
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
 
@@ -87,13 +88,27 @@ class SpeculativeDecoder:
         max_tokens: int = 256,
         stop_tokens: set[int] | frozenset[int] = frozenset(),
         seed: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        checkpoints: Sequence[int] = (),
+        prefill_step: int = 2048,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> Iterator[tuple[list[int], Stats]]:
-        """Yield (new tokens, running stats) as tokens are committed."""
+        """Yield (new tokens, running stats) as tokens are committed.
+
+        With ``prefix_cache``, the longest cached prefix of the prompt is restored instead of
+        prefilled, and the caches are stored at each of ``checkpoints`` (prompt positions a
+        later request may share, e.g. the end of the conversation before the generation
+        prompt), at the end of the prompt and at the end of the answer. The prompt is fed in
+        chunks of ``prefill_step`` tokens; ``on_prefill(done, total)`` follows it."""
         if not prompt:
             raise UsageError("the prompt is empty")
+        if prefill_step < 1:
+            raise UsageError(f"prefill_step must be at least 1 (got {prefill_step})")
         if seed is not None:
             mx.random.seed(seed)
         run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens))
+        run.prefix_cache, run.checkpoints = prefix_cache, checkpoints
+        run.prefill_step, run.on_prefill = prefill_step, on_prefill
         with wired_limit(self.model, [generation_stream]), mx.stream(generation_stream):
             yield from run.loop()
 
@@ -131,6 +146,10 @@ class _Run:
         self.emitted = 0
         self.done = False
         self.t_first = self.t0
+        self.prefix_cache: PrefixCache | None = None
+        self.checkpoints: Sequence[int] = ()
+        self.prefill_step = 2048
+        self.on_prefill = None
 
     # -- output -----------------------------------------------------------------
     def _emit(self, new: list[int]) -> list[int]:
@@ -163,26 +182,69 @@ class _Run:
 
     # -- the loop -------------------------------------------------------------------
     def loop(self):
-        hidden = self.target.prefill(self.tokens[:-1])
+        self._prefill()
         if self.drafter is not None:
-            self.drafter.start(self.tokens, hidden)
             if not self.drafter.uses_model:
                 self.gate.prompt_check(repetition_score(self.tokens))
             self._sync_gate()
         pending = None  # a plain step in flight: tokens[-1] was fed, its successor is sampled
-        while not self.done:
-            remaining = self.max_tokens - self.emitted
-            draft = None
-            if pending is None and remaining > 1 and self.drafter is not None:
-                k = min(self.gate.depth(), remaining - 1)
-                self._sync_gate()
-                if k > 0:
-                    draft = self.drafter.propose(self.tokens, k, self.sampling)
-            if draft is not None:
-                new = self._speculative_step(draft)
-            else:
-                new, pending = self._plain_step(pending, remaining)
-            yield self._emit(new), self.stats
+        try:
+            while not self.done:
+                remaining = self.max_tokens - self.emitted
+                draft = None
+                if pending is None and remaining > 1 and self.drafter is not None:
+                    k = min(self.gate.depth(), remaining - 1)
+                    self._sync_gate()
+                    if k > 0:
+                        draft = self.drafter.propose(self.tokens, k, self.sampling)
+                if draft is not None:
+                    new = self._speculative_step(draft)
+                else:
+                    new, pending = self._plain_step(pending, remaining)
+                yield self._emit(new), self.stats
+        except GeneratorExit:  # closed at a yield: every cache holds committed tokens only
+            self._store()
+            raise
+        self._store()
+
+    # -- the prompt -----------------------------------------------------------------
+    def _prefill(self) -> None:
+        """Restore the longest cached prefix of the prompt, then feed the rest in chunks
+        (target and drafter together), storing the caches at each checkpoint."""
+        prompt, drafter = self.tokens, self.drafter
+        end = len(prompt) - 1  # the last prompt token is fed by the first decoding step
+        at, resume = 0, None
+        found = self.prefix_cache.lookup(prompt, end) if self.prefix_cache is not None else None
+        if found is not None:
+            entry, at = found
+            if drafter is not None:
+                resume = entry.drafters.get(drafter.name)
+                at = drafter.resume_point(resume, at)
+            if at > 0:
+                self.target.restore(entry.target, at)
+        if drafter is not None:
+            drafter.start(prompt, resume if at else None, at)
+        self.stats.cached_tokens = at
+        pos = at
+        for point in sorted({p for p in self.checkpoints if at < p < end} | {end}):
+            while pos < point:
+                n = min(self.prefill_step, point - pos)
+                hidden = self.target.prefill(prompt[pos : pos + n], step=n)
+                pos += n
+                if drafter is not None:
+                    drafter.prefill(prompt, pos, hidden)
+                if self.on_prefill is not None:
+                    self.on_prefill(pos - at, end - at)
+            if pos > at:
+                self._store()
+
+    def _store(self) -> None:
+        """Keep the caches over the tokens fed so far for a later request that shares them."""
+        if self.prefix_cache is None or self.target.length == 0:
+            return
+        drafter = self.drafter
+        self.prefix_cache.store(self.tokens[: self.target.length], self.target.snapshot(),
+                                drafter.name if drafter else None, drafter.snapshot() if drafter else None)
 
     def _pass_hidden(self, rows) -> None:
         """Hand the drafter the hidden states of newly committed positions (MTP heads)."""

@@ -25,6 +25,7 @@ class Stats:
     depth: int = 0
     cost_model: str = "default"  # verify-cost curve the depth choice used: default or measured
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache, not prefilled
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -79,7 +80,9 @@ class Stats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
+        # tokens actually prefilled: a cached prefix was restored, not computed
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prompt_time_s if self.prompt_time_s > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -98,6 +101,7 @@ class Stats:
             "depth": self.depth,
             "cost_model": self.cost_model,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "generated_tokens": self.generated_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,

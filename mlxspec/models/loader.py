@@ -54,6 +54,15 @@ class LoadedModel:
                 return cfg["vocab_size"]
         raise InvalidCheckpointError(f"cannot tell the vocabulary size of {self.name}")
 
+    @property
+    def context_length(self) -> int | None:
+        """Most tokens (prompt + answer) the model was made for: max_position_embeddings."""
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            n = cfg.get("max_position_embeddings")
+            if isinstance(n, int) and n > 0:
+                return n
+        return None
+
 
 # -- resolving ------------------------------------------------------------
 

@@ -35,8 +35,24 @@ class Drafter(ABC):
     # them, one row per committed position, in order.
     needs_hidden: bool = False
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
-        """A new request with this prompt begins (``hidden``: the prompt's rows but the last)."""
+    def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
+        """A new request with this prompt begins. The target's cache already holds
+        ``prompt[:at]`` (restored from a cached prefix); ``resume`` is what this drafter's
+        :meth:`snapshot` gave with that cache, or None."""
+
+    def resume_point(self, resume, at: int) -> int:
+        """How much of a cached prefix of ``at`` tokens this drafter can start from with
+        ``resume`` (the target then restores that many)."""
+        return at
+
+    def prefill(self, prompt: list[int], upto: int, hidden: mx.array | None = None) -> None:
+        """The target has now fed ``prompt[:upto]``; ``hidden``: its rows for the positions
+        fed since the last call (drafters that ``needs_hidden``)."""
+
+    def snapshot(self):
+        """This drafter's state over the tokens the target has fed, kept with the target's
+        cache for a later request that starts with them; None when there is nothing to keep."""
+        return None
 
     def add_hidden(self, rows: mx.array) -> None:
         """Hidden states of the next committed positions, in order."""

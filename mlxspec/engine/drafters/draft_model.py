@@ -52,9 +52,21 @@ class DraftModelDrafter(Drafter):
         else:
             self.cost_per_token = 0.2
 
-    def start(self, prompt: list[int], hidden=None) -> None:
+    def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self.state = ModelState(self.model)
-        self.state.prefill(prompt[:-1])
+        if resume is not None:
+            # its own cache may be shorter than the target's (it feeds lazily) or, trimmable,
+            # longer: take what is valid for this prompt; the rest is fed below
+            n = min(resume.length, at)
+            if n == resume.length or resume.trimmable:
+                self.state.restore(resume, n)
+
+    def prefill(self, prompt: list[int], upto: int, hidden=None) -> None:
+        if upto > self.state.length:
+            self.state.prefill(prompt[self.state.length : upto])
+
+    def snapshot(self):
+        return self.state.snapshot()
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         if k <= 0:

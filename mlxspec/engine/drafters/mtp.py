@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...models.mtp.head import MTPHead
-from ..cache import model_nbytes
+from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, sample_chain
 
@@ -32,38 +32,96 @@ class MTPDrafter(Drafter):
             self.cost_per_token = 0.1
         self.cache = head.make_cache()
         self.pairs = 0
+        self.gap = 0
         self._rows: list[mx.array] = []
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+    def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self.cache = self.head.make_cache()
         self.pairs = 0  # committed pairs in the head's cache: (h_t, x_{t+1}) for t < pairs
-        self._rows = [hidden] if hidden is not None and hidden.shape[0] else []
+        self._rows = []  # trunk rows h_t for t = pairs, pairs+1, ... not committed yet
+        self.gap = 0  # pairs counted in `pairs` but absent from the head's cache
+        if at and resume is None:
+            # a cached prefix without this head's state: its pairs are left out of the head's
+            # cache (drafts see less history; what is kept is still exactly the target's)
+            self.pairs = self.gap = at
+        elif resume is not None:
+            snap, pairs, rows = resume
+            # resume_point() made at >= pairs + 1, or at == pairs' trimmed count with no rows
+            keep = min(pairs, at)
+            restore_caches(self.cache, snap, keep)
+            self.pairs = keep
+            if at > keep:
+                self._rows = [rows[: at - keep]]
+
+    def resume_point(self, resume, at: int) -> int:
+        # pair t uses token t+1: the cached pairs are valid for this prompt only below at - 1;
+        # when the head ran further, restart one token earlier so the trunk re-makes h_{at-1}
+        if resume is None or resume[1] < at:
+            return at
+        return at - 1
+
+    def prefill(self, prompt: list[int], upto: int, hidden: mx.array | None = None) -> None:
+        if hidden is not None and hidden.shape[0]:
+            self._rows.append(hidden)
+        # commit every prompt pair but the last (propose needs that one's logits), in chunks:
+        # the head's attention then never sees more new pairs at once than the trunk's prefill
+        self._commit(prompt, upto - 1, chunk=2048)
+
+    def snapshot(self):
+        if self.gap or (self.pairs == 0 and not self._rows):
+            return None
+        snap = snapshot_caches(self.cache, self.pairs)
+        if snap is None:
+            return None
+        rows = self._pending()
+        if rows is not None:
+            mx.eval(rows)
+        return snap, self.pairs, rows
 
     def add_hidden(self, rows: mx.array) -> None:
         self._rows.append(rows)
 
+    def _pending(self) -> mx.array | None:
+        if not self._rows:
+            return None
+        if len(self._rows) > 1:
+            self._rows = [mx.concatenate(self._rows)]
+        return self._rows[0]
+
+    def _commit(self, tokens: list[int], upto: int, chunk: int | None = None) -> mx.array | None:
+        """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last one."""
+        out = None
+        while self.pairs < upto:
+            rows = self._pending()
+            n = upto - self.pairs if chunk is None else min(chunk, upto - self.pairs)
+            if rows is None or rows.shape[0] < n:
+                return None
+            new_tokens = mx.array(tokens[self.pairs + 1 : self.pairs + 1 + n], mx.uint32)
+            out = self.head.forward(new_tokens, rows[:n], self.cache)
+            self.pairs += n
+            self._rows = [rows[n:]] if rows.shape[0] > n else []
+            if chunk is not None:
+                mx.eval([c.state for c in self.cache])
+        return out
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         last = len(tokens) - 1  # tokens[last] is sampled, not yet fed to the trunk
-        need = last - self.pairs
-        if k <= 0 or need <= 0 or not self._rows:
+        if k <= 0 or last <= self.pairs:
             return None
-        rows = mx.concatenate(self._rows) if len(self._rows) > 1 else self._rows[0]
-        if rows.shape[0] < need:
+        rows = self._pending()
+        if rows is None or rows.shape[0] < last - self.pairs:
             return None
         # Commit the new pairs t = pairs .. last-1 (one forward), then chain k drafts.
-        new_tokens = mx.array(tokens[self.pairs + 1 : last + 1], mx.uint32)
-        logits, hid = self.head.step(new_tokens, rows[:need], self.cache)
-        self.pairs = last
-        self._rows = [rows[need:]] if rows.shape[0] > need else []
+        hid = self._commit(tokens, last)
         last_hidden = [hid[-1:]]  # the head's own output feeds the next chain step
 
         def step(i, tok):
             logits, last_hidden[0] = self.head.step(tok, last_hidden[0], self.cache, step=i)
             return logits
 
-        return sample_chain(logits[-1:], k, sampling, step)
+        return sample_chain(self.head.logits(last_hidden[0]), k, sampling, step)
 
     def rollback(self, committed: int) -> None:
         # Only the chain is speculative: keep the committed pairs.
         for c in self.cache:
-            c.trim(c.offset - self.pairs)
+            c.trim(c.offset - (self.pairs - self.gap))

@@ -25,7 +25,7 @@ class PromptLookupDrafter(Drafter):
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending at positions < _indexed are in the index
 
-    def start(self, prompt: list[int], hidden=None) -> None:
+    def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self._index.clear()
         self._indexed = 0
 

@@ -93,10 +93,20 @@ class MTPHead:
     def make_cache(self):
         return self.module.make_cache()
 
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.trunk.embed(tokens)
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self.trunk.head(out)
+
+    def forward(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> mx.array:
+        """Pairs (h_t, x_{t+1}): tokens (n,), hidden (n, H) -> the head's hidden (n, H)."""
+        return self.module(self.embed(tokens)[None], hidden[None], cache, step)[0]
+
     def step(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> tuple[mx.array, mx.array]:
         """Pairs (h_t, x_{t+1}): tokens (n,), hidden (n, H) -> (logits (n, V), head hidden (n, H))."""
-        out = self.module(self.trunk.embed(tokens)[None], hidden[None], cache, step)[0]
-        return self.trunk.head(out), out
+        out = self.forward(tokens, hidden, cache, step)
+        return self.logits(out), out
 
 
 def to_switch_mlp(tensors: dict) -> dict:

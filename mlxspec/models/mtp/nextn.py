@@ -103,11 +103,11 @@ class NextNHead(nn.Module):
 class NextNMTPHead(MTPHead):
     """An MTPHead whose embedding and logits come from the NextN layer where it ships them."""
 
-    def step(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> tuple[mx.array, mx.array]:
-        """Pairs (h_t, x_{t+1}): tokens (n,), hidden (n, H) -> (logits (n, V), head hidden (n, H))."""
-        m = self.module
-        out = m(m.embed(tokens, self.trunk)[None], hidden[None], cache, step)[0]
-        return m.logits(out, self.trunk), out
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.module.embed(tokens, self.trunk)
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self.module.logits(out, self.trunk)
 
 
 def _quant_params(path: str, module: nn.Module, tensors: dict, mode: str) -> dict:

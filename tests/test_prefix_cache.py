@@ -1,0 +1,233 @@
+"""Prefix reuse across requests: snapshots, the LRU cache, and the engine's exactness with it."""
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxspec
+from mlxspec.engine.cache import ModelState, Snapshot
+from mlxspec.engine.prefix_cache import PrefixCache, common_prefix
+from mlxspec.errors import UsageError
+from mlxspec.models.loader import load_model
+
+MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
+TURNS = [
+    "def add(a, b):\n    return a + b\n\nWrite a test for add.",
+    "Now write one for subtract.",
+    "And one for multiply, with a docstring.",
+]
+
+
+def _ids(n, seed=0, vocab=500):
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+# -- snapshots -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tiny_qwen3, tiny_qwen3_5, tiny_swa):
+    return {"dense": load_model(str(tiny_qwen3)).model, "hybrid": load_model(str(tiny_qwen3_5)).model,
+            "sliding": load_model(str(tiny_swa)).model}
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "sliding"])
+def test_a_restored_snapshot_continues_exactly_and_never_changes(models, kind):
+    model, prompt, more = models[kind], _ids(20), _ids(6, seed=1)
+    live = ModelState(model)
+    live.prefill(prompt)
+    snap = live.snapshot()
+    assert snap.length == 20 and snap.trimmable == (kind == "dense")
+    # the live cache goes on writing into its buffers (one token at a time: in place)
+    for t in more:
+        live.forward(mx.array([t], mx.uint32), rollback=False)
+    restored = ModelState(model)
+    restored.restore(snap, 20)
+    fresh = ModelState(model)
+    fresh.prefill(prompt)
+    x = mx.array(more, mx.uint32)
+    got, want = restored.forward(x, rollback=False), fresh.forward(x, rollback=False)
+    assert np.array_equal(np.array(got), np.array(want))
+    # and the snapshot still serves the next request the same way
+    again = ModelState(model)
+    again.restore(snap, 20)
+    assert np.array_equal(np.array(again.forward(x, rollback=False)), np.array(want))
+
+
+def test_an_attention_snapshot_serves_any_shorter_prefix(models):
+    model, prompt = models["dense"], _ids(30, seed=2)
+    full = ModelState(model)
+    full.prefill(prompt)
+    snap = full.snapshot()
+    short = ModelState(model)
+    short.restore(snap, 17)
+    assert short.length == 17
+    got = short.forward(mx.array(prompt[17:] + [5], mx.uint32), rollback=False)[-1]
+    want = full.forward(mx.array([5], mx.uint32), rollback=False)[-1]
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    assert int(mx.argmax(got)) == int(mx.argmax(want))
+
+
+def test_recurrent_state_is_only_restored_where_it_was_taken(models):
+    state = ModelState(models["hybrid"])
+    state.prefill(_ids(12))
+    snap = state.snapshot()
+    with pytest.raises(ValueError):
+        ModelState(models["hybrid"]).restore(snap, 8)
+
+
+# -- the LRU cache -------------------------------------------------------------------------
+
+def _snap(length, trimmable=True, nbytes_per_token=4):
+    k = mx.zeros((1, 1, length, nbytes_per_token // 4))
+    return Snapshot(length, [("kv", k, mx.zeros((1, 1, 0, 1)))], trimmable)
+
+
+def test_lookup_picks_the_longest_usable_prefix():
+    cache = PrefixCache(1 << 20)
+    cache.store([1, 2, 3, 4, 5, 6], _snap(6))
+    cache.store([1, 2, 9, 9], _snap(4, trimmable=False))
+    cache.store([1, 2, 3], _snap(3, trimmable=False))
+    entry, n = cache.lookup([1, 2, 3, 4, 7, 7, 7], limit=6)
+    assert n == 4 and entry.target.length == 6  # trimmable: cut to the common prefix
+    entry, n = cache.lookup([1, 2, 9, 9, 9], limit=4)
+    assert n == 4 and not entry.target.trimmable  # exact entry, whole
+    assert cache.lookup([1, 2, 9, 8, 8], limit=4)[1] == 2  # the hybrid one cannot be cut: trimmable wins
+    assert cache.lookup([7, 1, 2], limit=2) is None
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7], limit=3)[1] == 3  # the limit keeps a token to feed
+
+
+def test_a_trimmable_entry_replaces_the_prefixes_it_covers_and_the_budget_evicts_lru():
+    cache = PrefixCache(1 << 20)
+    cache.store([1, 2, 3], _snap(3))
+    cache.store([1, 2, 3, 4, 5], _snap(5))
+    assert len(cache) == 1
+    cache.store([8, 8], _snap(2, trimmable=False))
+    cache.store([8, 8, 8], _snap(3, trimmable=False))
+    assert len(cache) == 3  # recurrent snapshots at different points are all kept
+
+    small = PrefixCache(max_bytes=40)  # 4 bytes per token in these fakes
+    small.store([1] * 4, _snap(4))
+    small.store([2] * 4, _snap(4))
+    small.lookup([1] * 5, limit=4)  # 1s now most recent
+    small.store([3] * 4, _snap(4))
+    assert small.lookup([2] * 5, limit=4) is None and small.lookup([1] * 5, limit=4) is not None
+    small.store([4] * 20, _snap(20))  # bigger than the whole budget: not kept
+    assert small.lookup([4] * 21, limit=20) is None and small.nbytes <= 40
+    off = PrefixCache(0)
+    off.store([1, 2], _snap(2))
+    assert len(off) == 0
+
+
+def test_common_prefix():
+    a = np.array([1, 2, 3, 4])
+    assert common_prefix(a, np.array([1, 2, 3, 4, 5])) == 4
+    assert common_prefix(a, np.array([1, 2, 0])) == 2
+    assert common_prefix(a, np.array([], dtype=np.int64)) == 0
+
+
+# -- the engine: reuse gives the same tokens ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def minis():
+    hybrid = mlxspec.load(str(MODELS / "mini-hybrid"))
+    attn = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-draft"))
+    for spec in (hybrid, attn):
+        spec.astype("float32")
+    return {"hybrid": hybrid, "attn": attn}
+
+
+def _chat(spec, drafter, reuse, turns=TURNS, max_tokens=24):
+    history, out = [], []
+    for text in turns:
+        history.append({"role": "user", "content": text})
+        r = spec.generate(list(history), max_tokens=max_tokens, drafter=drafter, reuse=reuse)
+        history.append({"role": "assistant", "content": r.text})
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("model,drafter", [("hybrid", "mtp"), ("hybrid", "pld"), ("hybrid", "none"),
+                                           ("attn", "mtp"), ("attn", "draft"), ("attn", "pld")])
+def test_a_chat_with_reuse_writes_exactly_what_it_writes_without(minis, model, drafter):
+    spec = minis[model]
+    spec.prompt_cache.clear()
+    with_reuse = _chat(spec, drafter, reuse=True)
+    without = _chat(spec, drafter, reuse=False)
+    assert [r.tokens for r in with_reuse] == [r.tokens for r in without]
+    assert with_reuse[0].stats.cached_tokens == 0
+    for before, r in zip(with_reuse, with_reuse[1:]):
+        # at least the whole previous prompt came from the cache
+        assert r.stats.cached_tokens >= before.stats.prompt_tokens - 1, r.stats.to_dict()
+    assert all(r.stats.cached_tokens == 0 for r in without)
+    if drafter in ("mtp", "draft"):  # drafting from restored drafter state still works
+        assert sum(r.stats.accepted for r in with_reuse) > 0
+
+
+def test_interleaved_conversations_each_reuse_their_own_prefix(minis):
+    spec = minis["hybrid"]
+    spec.prompt_cache.clear()
+    a, b, before = [], [], {}
+    for i in range(2):
+        for name, history, text in (("a", a, TURNS[i]), ("b", b, "Say something about lists. " * (i + 1))):
+            history.append({"role": "user", "content": text})
+            r = spec.generate(list(history), max_tokens=12, drafter="mtp")
+            history.append({"role": "assistant", "content": r.text})
+            if i:  # the other conversation ran in between: its entries did not replace these
+                assert r.stats.cached_tokens >= before[name] - 1
+            before[name] = r.stats.prompt_tokens
+    assert spec.prompt_cache.stats()["hits"] >= 2
+
+
+def test_a_prompt_diverging_inside_a_cached_answer_restarts_the_head_one_token_early(minis):
+    """mini-attn's cache is trimmable: the new prompt reuses a cut prefix of the old answer;
+    the MTP head had committed pairs past it, so the target restores one token less."""
+    spec = minis["attn"]
+    spec.prompt_cache.clear()
+    prompt = spec.encode("Write a function that reverses a string.")
+    first = spec.generate(prompt, max_tokens=30, drafter="mtp")
+    branch = prompt + first.tokens[:12] + spec.encode("x = 1", raw=True)
+    got = spec.generate(branch, max_tokens=20, drafter="mtp")
+    want = spec.generate(branch, max_tokens=20, drafter="mtp", reuse=False)
+    assert got.tokens == want.tokens
+    assert got.stats.cached_tokens == len(prompt) + 12 - 1
+    assert got.stats.accepted > 0
+
+
+def test_budget_and_disabled_cache_keep_outputs(minis):
+    spec = minis["attn"]
+    spec.prompt_cache = PrefixCache(max_bytes=1)  # nothing fits
+    assert [r.tokens for r in _chat(spec, "pld", True)] == [r.tokens for r in _chat(spec, "pld", False)]
+    assert len(spec.prompt_cache) == 0
+    spec.prompt_cache = PrefixCache(2 << 30)
+
+
+# -- chunked prefill and the context limit -------------------------------------------------
+
+def test_chunked_prefill_reports_progress_and_changes_nothing(minis):
+    spec = minis["hybrid"]
+    prompt = spec.encode(TURNS[0] * 4)
+    seen = []
+    small = spec.generate(prompt, max_tokens=16, drafter="mtp", reuse=False, prefill_step=7,
+                          on_prefill=lambda done, total: seen.append((done, total)))
+    whole = spec.generate(prompt, max_tokens=16, drafter="mtp", reuse=False)
+    assert small.tokens == whole.tokens
+    total = len(prompt) - 1
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1] == (total, total)
+    assert len(seen) >= total // 7
+
+
+def test_a_prompt_over_the_context_is_refused_and_max_tokens_is_cut(minis, monkeypatch):
+    spec = minis["attn"]
+    limit = 64
+    monkeypatch.setitem(spec.target.config, "max_position_embeddings", limit)
+    with pytest.raises(UsageError, match="context of 64 tokens"):
+        spec.generate(_ids(64, vocab=300), max_tokens=4)
+    r = spec.generate(_ids(60, vocab=300), max_tokens=50, drafter="none")
+    assert len(r.tokens) <= 4
+
+
+def test_prefill_step_must_be_positive(minis):
+    with pytest.raises(UsageError):
+        minis["attn"].generate("hi", max_tokens=2, prefill_step=0)
