@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import Iterator, Sequence
 
+from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
@@ -17,6 +18,7 @@ from .errors import DrafterError, UsageError
 from .models.loader import LoadedModel, load_model
 
 DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30  # conversations kept for prefix reuse (`--prompt-cache-bytes`)
 
 
 @dataclass
@@ -49,6 +51,8 @@ class SpecModel:
         self.tokenizer = target.tokenizer
         self._mtp: tuple | None = None  # (head or None, why not) once looked for
         self._cost = None  # this machine's verify-cost curve, measured on first use
+        # earlier prompts' caches: a request sharing a prefix with one prefills only the rest
+        self.prompt_cache = PrefixCache(DEFAULT_PROMPT_CACHE_BYTES)
 
     def verify_cost(self):
         """Measured cost of verifying 1..16 tokens with this model: the curve `mlxspec tune`
@@ -110,25 +114,52 @@ class SpecModel:
         """Token ids for a prompt: text (chat template applied unless ``raw``), messages, or ids.
         ``tools`` (function schemas) go to the chat template, which renders them for the model;
         ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``)."""
+        messages = self._messages(prompt, system)
+        if messages is None:
+            return list(prompt)
+        if not raw and getattr(self.tokenizer, "chat_template", None):
+            return self._render(messages, True, tools, template_kwargs)
+        text = "\n".join(m["content"] for m in messages if m.get("content"))
+        return list(self.tokenizer.encode(text))
+
+    @staticmethod
+    def _messages(prompt, system: str | None) -> list[dict] | None:
+        """The chat messages of a prompt; None when it is already token ids."""
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif prompt and isinstance(prompt[0], int):
-            return list(prompt)
+            return None
         else:
             messages = list(prompt)
         if system and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system}] + messages
-        tok = self.tokenizer
-        if not raw and getattr(tok, "chat_template", None):
-            extra = dict(template_kwargs or {})
-            if tools:
-                extra["tools"] = tools
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
-            if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
-        text = "\n".join(m["content"] for m in messages if m.get("content"))
-        return list(tok.encode(text))
+        return messages
+
+    def _render(self, messages, generation_prompt: bool, tools, template_kwargs) -> list[int]:
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                 tokenize=True, **extra)
+        if isinstance(ids, Mapping):  # transformers may return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def reuse_points(self, prompt, prompt_ids: list[int], *, system: str | None = None, raw: bool = False,
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        """Prompt positions the next turn of this conversation will share: where the rendered
+        conversation ends, before the generation prompt (templates re-render the assistant's
+        turn differently, e.g. without its reasoning). A hybrid model's recurrent state can be
+        reused only where it was stored, so the prefix cache stores it there too."""
+        messages = None if raw else self._messages(prompt, system)
+        if not messages or not getattr(self.tokenizer, "chat_template", None):
+            return []
+        try:
+            history = self._render(messages, False, tools, template_kwargs)
+        except Exception:  # a template that insists on a generation prompt: no extra point
+            return []
+        n = len(history)
+        return [n] if 0 < n < len(prompt_ids) and history == prompt_ids[:n] else []
 
     # -- generation ------------------------------------------------------
     def stream(
@@ -148,17 +179,31 @@ class SpecModel:
         max_depth: int | None = None,
         gates: bool = True,
         template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        reuse: bool = True,
+        checkpoints: Sequence[int] | None = None,
+        prefill_step: int = 2048,
+        on_prefill=None,
     ) -> Iterator[Chunk]:
-        """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final."""
+        """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final.
+
+        With ``reuse`` the longest prefix shared with an earlier prompt (``prompt_cache``) is
+        not prefilled again; ``checkpoints`` are extra prompt positions to store its caches at
+        (default: where the conversation ends before the generation prompt). The prompt is
+        fed ``prefill_step`` tokens at a time; ``on_prefill(done, total)`` reports progress."""
         if drafter not in DRAFTERS:
             raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
         if max_tokens < 1:
             raise UsageError("max_tokens must be at least 1")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         sampling.validate()
-        prompt_ids = self.encode(prompt, system=system, raw=raw, template_kwargs=template_kwargs)
+        prompt_ids = self.encode(prompt, system=system, raw=raw, tools=tools, template_kwargs=template_kwargs)
         if not prompt_ids:
             raise UsageError("the prompt is empty")
+        max_tokens = self.check_context(len(prompt_ids), max_tokens)
+        if checkpoints is None and reuse:
+            checkpoints = self.reuse_points(prompt, prompt_ids, system=system, raw=raw, tools=tools,
+                                            template_kwargs=template_kwargs)
 
         head, why_not = self.mtp_head() if drafter in ("auto", "mtp") else (None, None)
         if drafter == "mtp" and head is None:
@@ -194,6 +239,10 @@ class SpecModel:
             max_tokens=max_tokens,
             stop_tokens=set(self.tokenizer.eos_token_ids),
             seed=seed,
+            prefix_cache=self.prompt_cache if reuse else None,
+            checkpoints=checkpoints or (),
+            prefill_step=prefill_step,
+            on_prefill=on_prefill,
         ):
             for t in tokens:
                 if t in self.tokenizer.eos_token_ids:
@@ -204,6 +253,16 @@ class SpecModel:
         tail = detok.last_segment
         if tail and stats is not None:
             yield Chunk(text=tail, tokens=[], stats=stats)
+
+    def check_context(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Refuse a prompt the model's context cannot hold; cut max_tokens to what is left."""
+        limit = self.target.context_length
+        if limit is None:
+            return max_tokens
+        if prompt_tokens >= limit:
+            raise UsageError(f"the prompt is {prompt_tokens} tokens but {self.name} has a context of "
+                             f"{limit} tokens (max_position_embeddings); shorten the prompt")
+        return min(max_tokens, limit - prompt_tokens)
 
     def generate(self, prompt, **kwargs) -> Result:
         """Run to completion; returns text, tokens and stats."""
