@@ -231,3 +231,31 @@ def test_a_prompt_over_the_context_is_refused_and_max_tokens_is_cut(minis, monke
 def test_prefill_step_must_be_positive(minis):
     with pytest.raises(UsageError):
         minis["attn"].generate("hi", max_tokens=2, prefill_step=0)
+
+
+def test_a_thinking_template_reuses_the_conversation_up_to_the_last_user_turn(minis, monkeypatch):
+    """Qwen3.6's template opens <think> in the generation prompt and drops older turns'
+    reasoning when it renders them again: the hybrid's state from the end of the prompt or
+    answer is never a prefix of the next prompt, the checkpoint before the generation prompt is."""
+    spec, THINK = minis["hybrid"], {"enable_thinking": True}
+    template = (Path(__file__).parent / "data" / "chat_templates" / "Qwen3.6.jinja").read_text()
+    monkeypatch.setattr(spec.tokenizer._tokenizer, "chat_template", template)
+    spec.prompt_cache.clear()
+
+    def chat(reuse):
+        history, out = [], []
+        for text in TURNS:
+            history.append({"role": "user", "content": text})
+            ids = spec.encode(history, template_kwargs=THINK)
+            boundary = spec.reuse_points(history, ids, template_kwargs=THINK)
+            r = spec.generate(list(history), max_tokens=12, drafter="mtp", reuse=reuse, template_kwargs=THINK)
+            # (a fixed answer: this model's random text could itself start like "<think>")
+            history.append({"role": "assistant", "content": "<think>\nLet me see.\n</think>\n\nDone."})
+            out.append((r, boundary))
+        return out
+
+    got, want = chat(True), chat(False)
+    assert [r.tokens for r, _ in got] == [r.tokens for r, _ in want]
+    assert spec.tokenizer.decode(spec.encode("x", template_kwargs=THINK)).endswith("assistant\n<think>\n")
+    for (before, boundary), (r, _) in zip(got, got[1:]):
+        assert boundary and r.stats.cached_tokens == boundary[0]
