@@ -89,6 +89,13 @@ def sweep_document(sweep: dict) -> dict:
     return {"schema": SCHEMA, "kind": "sweep", "environment": environment(), "sweep": sweep}
 
 
+def chat_document(models: list[dict], config: dict) -> dict:
+    """The JSON of ``bench --chat``: the plan (config) and, per model, every run and the
+    per-turn medians (:func:`mlxspec.bench_chat.run_chat`)."""
+    return {"schema": SCHEMA, "kind": "chat", "environment": environment(),
+            "chat": {"config": config, "models": models}}
+
+
 def write_json(doc: dict, path: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +109,7 @@ def read_json(path: str) -> dict:
         raise UsageError(f"--from-json: no file '{path}'") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MlxspecError(f"--from-json: '{path}' is not a bench JSON file ({err})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep"):
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep", "chat"):
         raise MlxspecError(f"--from-json: '{path}' was not written by `mlxspec bench --json` ({SCHEMA})")
     return doc
 
@@ -150,8 +157,40 @@ def pass_table(doc: dict, p: dict):
     return table
 
 
+def chat_table(doc: dict, m: dict):
+    """One model's turns: prompt and cached tokens, TTFT without and with reuse and mlx-lm's."""
+    from rich.table import Table
+
+    c = doc["chat"]["config"]
+    reps = c["reps"]
+    if m.get("random_weights"):
+        what = f"random {m['bits']}-bit weights" if m["bits"] else "random bf16 weights"
+        what += f" (cast to {m['dtype']})" if m.get("dtype") else ""
+    else:
+        what = f"weights cast to {m['dtype']}" if m.get("dtype") else "weights as stored"
+    table = Table(title=f"{m['name']} on {doc['environment'].get('device', '?')}: time to first token per "
+                        f"chat turn, median of {reps} repetition{'s' * (reps != 1)}", title_justify="left")
+    for name in ("turn", "prompt", "cached", "no reuse ms", "reuse ms", "mlx-lm ms", "speedup",
+                 "identical", "= mlx-lm"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for t in m["turns"]:
+        ms = t["ttft_ms"]
+        table.add_row(str(t["turn"]), str(t["prompt_tokens"]), f"{t['cached_tokens']:.0f}",
+                      f"{ms['no_reuse']:.1f}", f"{ms['reuse']:.1f}", f"{ms['mlx_lm']:.1f}",
+                      _fmt(t["ratio"], ".2f") + ("x" if t["ratio"] else ""),
+                      "yes" if t["identical"] else "NO", "yes" if t["identical_mlx_lm"] else "no")
+    table.caption = "\n".join([
+        f"{what}, drafter {c['drafter']}, temperature 0",
+        f"user blocks: {c['first_user_tokens']} tokens, then {c['user_tokens']}; answers: {c['answer_tokens']} tokens",
+        "speedup: no-reuse TTFT / reuse TTFT",
+        "identical: reuse tokens = no-reuse tokens, every repetition",
+        "= mlx-lm: no-reuse tokens = mlx-lm's greedy tokens, every repetition"])
+    table.caption_justify = "left"
+    return table
+
+
 def render(doc: dict, console) -> None:
-    """Print a document's tables: one per pass, or the sweep's."""
+    """Print a document's tables: one per pass, the sweep's, or one per chat model."""
     if not console.is_terminal:  # a file or pipe has no width: do not squeeze the columns
         from rich.console import Console
 
@@ -160,6 +199,10 @@ def render(doc: dict, console) -> None:
         from .bench_sweep import sweep_table
 
         console.print(sweep_table(doc["sweep"]))
+        return
+    if doc["kind"] == "chat":
+        for m in doc["chat"]["models"]:
+            console.print(chat_table(doc, m))
         return
     for p in doc["passes"]:
         console.print(pass_table(doc, p))
@@ -204,17 +247,20 @@ def _speedup_bars(doc: dict, p: dict, ax) -> None:
 
 def write_chart(docs: list[dict], path: str) -> None:
     """One panel per pass of each bench document (speedup per workload and engine), one per
-    sweep (cost ratio against tokens per forward)."""
+    sweep (cost ratio against tokens per forward), one per chat run (TTFT per turn)."""
     check_matplotlib()
     from matplotlib.figure import Figure
 
+    from .bench_chat import chat_chart
     from .bench_sweep import sweep_chart
 
     panels = [(doc, p) for doc in docs for p in (doc["passes"] if doc["kind"] == "bench" else [None])]
     fig = Figure(figsize=(10, 3.8 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (doc, p) in zip(axes, panels):
-        if p is None:
+        if doc["kind"] == "chat":
+            chat_chart(doc["chat"], ax, doc["environment"].get("device"))
+        elif p is None:
             sweep_chart(doc["sweep"], ax, doc["environment"].get("device"))
         else:
             _speedup_bars(doc, p, ax)

@@ -15,15 +15,16 @@ from .errors import UsageError
 DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.5-9b-like", "qwen3.6-27b")
 
 
-def parse_shapes(text: str) -> list[str]:
+def parse_shapes(text: str, flag: str = "--sweep") -> list[str]:
     from .models.synthetic import SHAPES
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
-        raise UsageError("--sweep needs at least one shape")
+        raise UsageError(f"{flag} needs at least one shape")
     for name in names:
         if name not in SHAPES:
-            raise UsageError(f"unknown sweep shape '{name}'; choose from {', '.join(SHAPES)}")
+            what = "sweep shape" if flag == "--sweep" else f"shape for {flag}"
+            raise UsageError(f"unknown {what} '{name}'; choose from {', '.join(SHAPES)}")
     return names
 
 

@@ -102,6 +102,13 @@ def _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tok
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
 
 
+def _check_reasoning(mode) -> None:
+    from .reasoning import MODES
+
+    if mode not in MODES:
+        raise UsageError(f"unknown --reasoning '{mode}'; choose one of {', '.join(MODES)}")
+
+
 def _split_positionals(model: Optional[str], prompt: Optional[str]):
     """(model ref, prompt): a lone positional is the model only if it names one or is a path."""
     if model is not None and prompt is None:
@@ -150,40 +157,6 @@ def _demo_notice(name: str) -> None:
 # -- generation --------------------------------------------------------------
 
 
-class Answer:
-    """Streams one answer to stdout (live status on a terminal, plain text when piped)."""
-
-    def __init__(self, live: bool):
-        self.live = live
-        self.text = ""
-        self.stats = None
-        self.interrupted = False
-
-    def stream(self, spec, prompt, options: dict) -> "Answer":
-        from .ui import StreamView
-
-        chunks = spec.stream(prompt, **options)
-        view = StreamView(_stdout_console()) if self.live else None
-        try:
-            with view if view else contextlib.nullcontext():
-                for chunk in chunks:
-                    self.text += chunk.text
-                    self.stats = chunk.stats
-                    if view:
-                        view.write(chunk.text, chunk.stats)
-                    else:
-                        sys.stdout.write(chunk.text)
-                        sys.stdout.flush()
-        except KeyboardInterrupt:
-            self.interrupted = True
-        finally:
-            chunks.close()  # stops the engine if the loop ended early
-        if not self.live and self.text and not self.text.endswith("\n"):
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        return self
-
-
 @functools.cache
 def _stdout_console():
     from rich.console import Console
@@ -211,57 +184,6 @@ def _show_stats(stats, table: bool) -> None:
         _stderr_console().print(Text(stats_line(stats), style="dim"), soft_wrap=True)
 
 
-CHAT_HELP = "commands: /reset (forget the conversation), /stats (last answer's stats), /exit (or Ctrl-D)"
-
-
-def _chat(spec, options: dict, show_stats: bool, live: bool) -> None:
-    """Interactive chat: history kept across turns, Ctrl-C stops an answer, Ctrl-D quits."""
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  line editing and history for input()
-
-    _note(f"chatting with {spec.name}; {CHAT_HELP}")
-    history: list[dict] = []
-    last_stats = None
-    while True:
-        try:
-            line = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            _note("")
-            return
-        command = line.strip()
-        if not command:
-            continue
-        if command in ("/exit", "/quit", "/bye"):
-            return
-        if command == "/reset":
-            history.clear()
-            _note("conversation cleared")
-            continue
-        if command == "/stats":
-            if last_stats is None:
-                _note("no answer yet")
-            else:
-                _show_stats(last_stats, table=True)
-            continue
-        if command.startswith("/"):
-            _note(f"unknown command {command.split()[0]}; {CHAT_HELP}")
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            answer = Answer(live).stream(spec, list(history), options)
-        except MlxspecError as err:
-            history.pop()
-            _error(str(err))
-            continue
-        if answer.interrupted:
-            _note("[stopped]")
-        # a stopped answer stays in the history: it is what the user saw
-        history.append({"role": "assistant", "content": answer.text})
-        last_stats = answer.stats or last_stats
-        if show_stats:
-            _show_stats(answer.stats, table=False)
-
-
 # -- the run command ---------------------------------------------------------
 
 # paragraphs are unwrapped here: Typer's rich help keeps single newlines as line breaks
@@ -276,6 +198,10 @@ PROMPT for the default model.
 
 Without PROMPT the prompt is read from stdin when stdin is piped; on a terminal an
 interactive chat starts (/reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D quits).
+
+A thinking model's reasoning (<think>...</think>) is shown dimmed before the answer on a
+terminal and as written when piped; --hide-reasoning prints the answer only, --reasoning off
+asks the model not to reason.
 """).format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
 
 
@@ -324,8 +250,16 @@ def run(
     system: Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)] = None,
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send the prompt as is, without the model's chat template.")] = False,
+    reasoning: Annotated[Optional[str], typer.Option(
+        "--reasoning", metavar="on|off|auto",
+        help="Whether a thinking model (Qwen3, Qwen3.5 ...) reasons before answering: sets the chat "
+             "template's enable_thinking; auto keeps the template's default (default: auto, or "
+             "$MLXSPEC_REASONING / config).", show_default=False)] = None,
+    hide_reasoning: Annotated[bool, typer.Option(
+        "--hide-reasoning", help="Print only the answer, not the <think> reasoning (shown dimmed on a "
+                                 "terminal, with its tags when piped).")] = False,
     json_out: Annotated[bool, typer.Option(
-        "--json", help="Print one JSON object {text, tokens, stats} instead of streaming text.")] = False,
+        "--json", help="Print one JSON object {text, reasoning, tokens, stats} instead of streaming text.")] = False,
     no_stats: Annotated[bool, typer.Option(
         "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")] = False,
     yes: Annotated[bool, typer.Option(
@@ -336,10 +270,11 @@ def run(
 
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                              max_tokens=max_tokens, preset=preset))
-        drafter, temp, top_p, top_k, min_p, max_tokens, preset = (
-            given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset"))
+                              max_tokens=max_tokens, preset=preset, reasoning=reasoning))
+        drafter, temp, top_p, top_k, min_p, max_tokens, preset, reasoning = (
+            given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset", "reasoning"))
         _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
+        _check_reasoning(reasoning)
         model = _aliased_model(model, yes)
         model, prompt = _split_positionals(model, prompt)
         from .cli_machine import _prepare_run
@@ -362,16 +297,22 @@ def run(
         if spec.is_demo:
             _demo_notice(spec.name)
 
+        from . import cli_chat
+        from .reasoning import split, template_kwargs
+
         options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                       seed=seed, drafter=drafter, depth=depth, system=system, raw=raw)
+                       seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
+                       template_kwargs=template_kwargs(reasoning))
         options.update(preset_options)
         if json_out:
             result = spec.generate(prompt, **options)
-            sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+            thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, options))
+            out = {**result.to_dict(), "text": text, "reasoning": None if hide_reasoning else thought or None}
+            sys.stdout.write(json.dumps(out) + "\n")
         elif chat:
-            _chat(spec, options, show_stats=not no_stats, live=live)
+            cli_chat.chat(spec, options, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)
         else:
-            answer = Answer(live).stream(spec, prompt, options)
+            answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, options)
             if not no_stats:
                 _show_stats(answer.stats, table=live)
             if answer.interrupted:

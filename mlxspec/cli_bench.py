@@ -16,7 +16,8 @@ DEFAULT_WORKLOADS = "benchmarks/workloads"
 
 BENCH_HELP = _help("""
 Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; or, with
---sweep, time a forward of 1..N tokens on random-weight models of real shapes.
+--sweep, time a forward of 1..N tokens on random-weight models of real shapes; or, with
+--chat, time the first token of each turn of a growing chat with and without prefix reuse.
 
 Engines: mlx-lm (mlx_lm.stream_generate, plain decoding: the baseline, always run),
 mlx-lm-draft (mlx-lm's own speculation with --draft-model; dense targets only, since mlx-lm
@@ -34,6 +35,15 @@ flags; its acceptance is not observable), the share of tokens that came from dra
 first token, peak memory (MLX's, all loaded weights included) and whether the tokens are
 identical to mlx-lm's at temperature 0. A second pass at --temperature (seeded per prompt,
 the same seed for every engine) measures the speculative engines under sampling.
+
+--chat: a conversation of token ids (no tokenizer, no template) on MODEL, or on random-weight
+models of --chat-shapes: user blocks of pseudo-random ids (fixed seed) and the model's own
+greedy answers of --max-tokens tokens (default 64 here); turn 1's block is sized so that the
+last turn's prompt is --chat-context tokens. Each turn runs three ways, after an untimed
+warm-up: the engine (--drafter) with no prefix cache, the engine with the conversation's prefix
+cache (fed by the earlier turns, as a server's is), and mlx-lm's generate_step. Reported per
+turn, median over --reps conversations (each with a fresh cache): prompt and cached tokens,
+time to first token of each, the speedup of reuse, and whether the tokens are identical.
 
 --from-json redraws the tables (and --png) from saved results without running anything.
 """)
@@ -156,6 +166,27 @@ def bench(
              "backends whose bf16 kernels do not repeat bit for bit.")] = None,
     sweep_context: Annotated[int, typer.Option(
         "--sweep-context", metavar="N", help="Sweep: tokens already in the cache.")] = 256,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Instead of the engines: time to first token on each turn of a growing "
+                       "chat, with and without prefix reuse, and mlx-lm's (see above).")] = False,
+    chat_shapes: Annotated[Optional[str], typer.Option(
+        "--chat-shapes", metavar="SHAPES", show_default=False,
+        help="Chat: instead of MODEL, random-weight models of these shapes (comma-separated, as "
+             "for --sweep, quantized to --bits), one at a time.")] = None,
+    chat_turns: Annotated[Optional[int], typer.Option(
+        "--chat-turns", metavar="N", show_default=False, help="Chat: turns (default 5).")] = None,
+    chat_context: Annotated[Optional[int], typer.Option(
+        "--chat-context", metavar="N", show_default=False,
+        help="Chat: tokens in the last turn's prompt (default 4096, or what MODEL's context "
+             "leaves after the answer).")] = None,
+    chat_user_tokens: Annotated[Optional[int], typer.Option(
+        "--chat-user-tokens", metavar="N", show_default=False,
+        help="Chat: tokens of each user block after the first (default 256, fewer when "
+             "--chat-context is too short for that).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(
+        "--drafter", metavar="NAME", show_default=False,
+        help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, draft "
+             "(with --draft-model), auto.")] = None,
     kernels_off: Annotated[bool, typer.Option(
         "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
              "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
@@ -163,8 +194,8 @@ def bench(
 ) -> None:
     with _user_errors():
         if from_json:
-            _check(json_path is None and sweep is None and model is None,
-                   "--from-json only redraws saved results: give no MODEL, --sweep or --json")
+            _check(json_path is None and sweep is None and model is None and not chat,
+                   "--from-json only redraws saved results: give no MODEL, --sweep, --chat or --json")
             from .bench_report import check_matplotlib, read_json
 
             docs = [read_json(path) for path in from_json]
@@ -182,6 +213,15 @@ def bench(
             from .bench_report import check_matplotlib
 
             check_matplotlib()  # before minutes of measuring, not after
+        chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
+                      "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}
+        given = [flag for flag, value in chat_flags.items() if value is not None]
+        _check(chat or not given, f"{given[0] if given else ''} needs --chat")
+        if chat:
+            _check(sweep is None, "--chat and --sweep are two benchmarks: give one")
+            _run_chat(model, draft_model, chat_shapes, chat_turns, chat_context, chat_user_tokens,
+                      drafter, max_tokens, reps, bits, dtype, json_path, png_path)
+            return
         if sweep is not None:
             _check(model is None and draft_model is None,
                    "--sweep builds its own random models: give no MODEL or --draft-model")
@@ -238,3 +278,86 @@ def bench(
         if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
             _note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
         sys.stdout.flush()
+
+
+def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, max_tokens, reps, bits,
+              dtype, json_path, png_path) -> None:
+    """``bench --chat``: flags checked, then MODEL or each random shape through run_chat."""
+    from .bench_chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
+    from .bench_report import _model_info, chat_document
+
+    turns = 5 if turns is None else turns
+    answer = 64 if max_tokens is None else max_tokens
+    reps = reps or 3
+    drafter = drafter or "pld"
+    _check(dtype is None or dtype in ("float32", "bfloat16", "float16"),
+           f"--dtype must be float32, bfloat16 or float16; got {dtype}")
+    _check(context is None or context >= 2, f"--chat-context must be at least 2, got {context}")
+
+    def plan(context):
+        user = default_user_tokens(turns, context, answer) if user_tokens is None else user_tokens
+        check_plan(turns, context, user, answer)
+        return chat_config(turns=turns, context=context, user_tokens=user, answer_tokens=answer,
+                           reps=reps, drafter=drafter)
+
+    if shapes is not None:
+        _check(model is None and draft_model is None,
+               "--chat-shapes builds its own random models: give no MODEL or --draft-model")
+        _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+        _check(drafter in ("pld", "none"), f"--drafter with --chat-shapes must be pld or none "
+                                           f"(random models have no MTP head or draft model); got {drafter}")
+        from .bench_sweep import parse_shapes
+
+        names = parse_shapes(shapes, "--chat-shapes")
+        config = plan(4096 if context is None else context)
+        with _progress("chat") as on_step:
+            models = run_chat_shapes(names, bits=bits, dtype=dtype, on_step=on_step,
+                                     **_run_args(config))
+    else:
+        from .api import DRAFTERS
+
+        _check(drafter in DRAFTERS, f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter}")
+        _check(drafter != "draft" or draft_model is not None, "--drafter draft needs --draft-model")
+        _check(drafter in ("draft", "auto") or draft_model is None,
+               f"--draft-model is only used by --drafter draft or auto, not {drafter}")
+        if context is not None:
+            plan(context)  # a bad plan fails before the model loads
+        spec = _load_chat_model(model, draft_model, dtype)
+        limit = spec.target.context_length
+        if context is None:
+            context = 4096 if limit is None else min(4096, limit - answer)
+        _check(limit is None or context + answer <= limit,
+               f"--chat-context {context} + {answer} answer tokens exceed {spec.name}'s context of "
+               f"{limit} tokens")
+        config = plan(context)
+        head = None
+        if drafter in ("mtp", "auto"):
+            head, why_not = spec.mtp_head()
+            _check(head is not None or drafter == "auto", f"--drafter mtp: {why_not}")
+        with _progress("chat") as on_step:
+            result = run_chat(spec.target.model, vocab=spec.target.vocab_size, on_step=on_step,
+                              label=spec.name, mtp_head=head,
+                              draft_model=spec.draft.model if spec.draft else None, **_run_args(config))
+        models = [{**_model_info(spec.target), "draft_model": _model_info(spec.draft),
+                   "random_weights": False, "dtype": dtype, **result}]
+    _outputs([chat_document(models, config)], json_path, png_path)
+
+
+def _run_args(config: dict) -> dict:
+    return {k: config[k] for k in ("turns", "context", "user_tokens", "answer_tokens", "reps", "drafter")}
+
+
+def _load_chat_model(model, draft_model, dtype):
+    if model is None:
+        _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id) or --chat-shapes: "
+                                       f"there is no {DEFAULT_MODEL} in this folder")
+        model = str(DEFAULT_MODEL)
+    from .api import load
+    from .hub import expand_alias
+
+    console = _stderr_console()
+    with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
+        spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
+    if dtype is not None:
+        spec.astype(dtype)
+    return spec

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import DRAFTERS, _demo_notice, _error, _help, _note, _user_errors, app
+from .cli import DRAFTERS, _check_reasoning, _demo_notice, _error, _help, _note, _user_errors, app
 from .errors import UsageError
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
@@ -20,6 +20,12 @@ POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models, /healt
 speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2,
 "enabled": false}) and its drafted/accepted counts come back in usage. One generation runs at
 a time; up to --max-queue more wait, then 503 with Retry-After.
+
+A thinking model's <think> reasoning comes back apart from the answer: OpenAI
+"reasoning_content", Anthropic thinking blocks. Whether it reasons is --reasoning's default,
+or per request "reasoning" ("off", {"enabled": false}), "reasoning_effort" ("none" is off) or
+"chat_template_kwargs" ({"enable_thinking": false}); Anthropic: "thinking" ({"type":
+"disabled"}).
 
 Binding to anything but loopback needs an API key (--api-key, --api-key-file or
 MLXSPEC_API_KEY), given by clients as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
@@ -73,6 +79,10 @@ def serve(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = 16,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = 4096,
+    reasoning: Annotated[Optional[str], typer.Option(
+        "--reasoning", metavar="MODE", show_default=False,
+        help="Default reasoning of thinking models: on, off or auto (the chat template's default); "
+             "requests override it (default: $MLXSPEC_REASONING, config, else auto).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow cross-origin requests from any origin.")] = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
@@ -80,8 +90,10 @@ def serve(
         from .config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file ([server], drafter, preset)
-        given = settings(dict(drafter=drafter, host=host, port=port, preset=preset))
-        drafter, host, port, preset = (given[k] for k in ("drafter", "host", "port", "preset"))
+        given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning))
+        drafter, host, port, preset, reasoning = (given[k] for k in ("drafter", "host", "port", "preset",
+                                                                     "reasoning"))
+        _check_reasoning(reasoning)
         if max_queue < 0 or max_tokens_cap < 1:
             raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
         key = _api_key(api_key, api_key_file)
@@ -98,7 +110,7 @@ def serve(
         if spec.is_demo:
             _demo_notice(spec.name)
         settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,
-                            max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors)
+                            max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors, reasoning=reasoning)
         application = create_app(spec, settings)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""

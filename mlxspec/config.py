@@ -53,10 +53,12 @@ SETTINGS: dict[str, tuple[type, object, str, str]] = {
     "top_k": (int, 0, "MLXSPEC_TOP_K", "sampling.top_k"),
     "min_p": (float, 0.0, "MLXSPEC_MIN_P", "sampling.min_p"),
     "max_tokens": (int, 512, "MLXSPEC_MAX_TOKENS", "sampling.max_tokens"),
+    "reasoning": (str, "auto", "MLXSPEC_REASONING", "reasoning"),
     "host": (str, "127.0.0.1", "MLXSPEC_HOST", "server.host"),
     "port": (int, 8000, "MLXSPEC_PORT", "server.port"),
 }
 _DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
+_REASONING = ("on", "off", "auto")  # mlxspec.reasoning.MODES
 _CHECKS = {  # name: (ok, what it must be)
     "drafter": (lambda v: v in _DRAFTERS, "one of " + ", ".join(_DRAFTERS)),
     "temp": (lambda v: v >= 0, "0 or more"),
@@ -64,6 +66,7 @@ _CHECKS = {  # name: (ok, what it must be)
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "reasoning": (lambda v: v in _REASONING, "one of " + ", ".join(_REASONING)),
     "port": (lambda v: 1 <= v <= 65535, "between 1 and 65535"),
 }
 

@@ -71,7 +71,8 @@ def stats_table(stats: Stats) -> Table:
 
 
 class StreamView:
-    """Streams text to a terminal with a transient status line under it.
+    """Streams text (optionally styled: reasoning is dim) to a terminal with a transient
+    status line under it.
 
     Rich's Live can only redraw whole lines below the text, so finished lines are printed
     above the live region and the unfinished line is drawn inside it, with the status. The
@@ -81,7 +82,7 @@ class StreamView:
 
     def __init__(self, console: Console, min_refresh_s: float = 0.05):
         self.console = console
-        self.partial = ""
+        self.partial = Text()  # styled: reasoning is dimmed
         self.stats: Stats | None = None
         self.min_refresh_s = min_refresh_s
         self._last_refresh = 0.0
@@ -96,41 +97,42 @@ class StreamView:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def write(self, text: str, stats: Stats | None) -> None:
+    def write(self, text: str, stats: Stats | None, style: str | None = None) -> None:
         self.stats = stats
-        self.partial += text
-        if "\n" in self.partial:
-            *done, self.partial = self.partial.split("\n")
+        self.partial.append(text, style=style)
+        if "\n" in self.partial.plain:
+            *done, self.partial = self.partial.split("\n", allow_blank=True)
             for line in done:
-                self.console.print(Text(line))
+                self.console.print(line)
         width = max(self.console.width, 10)
-        while cell_len(self.partial) > width:
+        while cell_len(self.partial.plain) > width:
             head, self.partial = _cut(self.partial, width)
-            self.console.print(Text(head))
+            self.console.print(head)
         self._refresh()
 
     def _refresh(self, force: bool = False) -> None:
         now = time.perf_counter()
         if force or now - self._last_refresh >= self.min_refresh_s:
             self._last_refresh = now
-            self.live.update(Group(Text(self.partial), status_text(self.stats)), refresh=True)
+            self.live.update(Group(self.partial.copy(), status_text(self.stats)), refresh=True)
 
     def close(self) -> None:
         """Remove the status line and leave the text, ending with a newline."""
         if not self.live.is_started:
             return
         self.live.stop()
-        if self.partial:
-            self.console.print(Text(self.partial))
-            self.partial = ""
+        if self.partial.plain:
+            self.console.print(self.partial)
+            self.partial = Text()
 
 
-def _cut(line: str, width: int) -> tuple[str, str]:
+def _cut(line: Text, width: int) -> tuple[Text, Text]:
     """Split LINE into a head at most WIDTH cells wide (at the last space if any) and the rest."""
-    end = min(len(line), width)
-    while end > 1 and cell_len(line[:end]) > width:
+    plain = line.plain
+    end = min(len(plain), width)
+    while end > 1 and cell_len(plain[:end]) > width:
         end -= 1
-    space = line.rfind(" ", 0, end + 1)
+    space = plain.rfind(" ", 0, end + 1)
     if space > 0:
         return line[:space], line[space + 1:]
     return line[:end], line[end:]

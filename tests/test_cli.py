@@ -167,6 +167,16 @@ class FakeSpecModel:
         self.model_ref, self.is_demo, self.name = model_ref, is_demo, "fake-demo" if is_demo else "fake"
         self.calls = []
 
+    class tokenizer:  # what starts_in_reasoning reads of the prompt
+        all_special_ids = []
+
+        @staticmethod
+        def decode(ids):
+            return ""
+
+    def encode(self, prompt, **options):
+        return [1, 2, 3]
+
     def stream(self, prompt, **options):
         self.calls.append((prompt, options))
         stats = Stats(drafter="pld", depth=4, prompt_tokens=3, generated_tokens=2)
@@ -218,7 +228,7 @@ def test_options_reach_the_api(fake_load):
     assert result.exit_code == 0, result.output
     assert fake_load[-1].calls[0] == ("p", dict(
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=7, drafter="pld",
-        depth=3, system="be brief", raw=True))
+        depth=3, system="be brief", raw=True, template_kwargs={}))
 
 
 @pytest.mark.parametrize("flags, fragment", [

@@ -78,8 +78,18 @@ def test_profile_model_shows_the_auto_choice(tiny_qwen3_5):
 class FakeSpec:
     name, is_demo = "fake", False
 
+    class tokenizer:  # what starts_in_reasoning reads of the prompt
+        all_special_ids = []
+
+        @staticmethod
+        def decode(ids):
+            return ""
+
     def __init__(self):
         self.calls = []
+
+    def encode(self, prompt, **options):
+        return [1, 2, 3]
 
     def stream(self, prompt, **options):
         from mlxspec.api import Chunk

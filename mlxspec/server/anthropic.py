@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started
+from ..reasoning import ReasoningSplitter
+from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started, template_overrides
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -58,6 +59,8 @@ class CountBody(BaseModel):
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
     tool_choice: dict | None = None
+    thinking: Any = None  # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"} | {"type": "adaptive"}
+    chat_template_kwargs: Any = None
 
 
 class MessagesBody(CountBody):
@@ -98,7 +101,7 @@ def template_messages(body: CountBody) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for b in m.content:
             where = f"messages.{i}.content"
             if b.type == "text":
@@ -115,6 +118,8 @@ def template_messages(body: CountBody) -> list[dict]:
                 text = _text_of(b.content, where)
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                 "content": ("Error: " + text) if b.is_error else text})
+            elif b.type == "thinking" and m.role == "assistant":
+                thoughts.append((b.model_extra or {}).get("thinking") or "")
             elif b.type in ("thinking", "redacted_thinking"):
                 continue
             else:
@@ -125,6 +130,8 @@ def template_messages(body: CountBody) -> list[dict]:
             msg: dict = {"role": m.role, "content": "\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls
+            if any(thoughts):  # templates render it where the model should see it (after tool calls)
+                msg["reasoning_content"] = "\n".join(t for t in thoughts if t)
             out.append(msg)
     return out
 
@@ -141,13 +148,36 @@ def template_tools(body: CountBody) -> list[dict] | None:
     return tools
 
 
+THINKING_TYPES = {"enabled": "on", "disabled": "off", "adaptive": "auto"}
+
+
+def thinking_mode(thinking) -> tuple[str | None, bool]:
+    """(on / off / auto or None when not given, whether the thinking is to be left out)."""
+    if thinking is None:
+        return None, False
+    if not isinstance(thinking, dict) or thinking.get("type") not in THINKING_TYPES:
+        raise APIError(400, "thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
+                            "{\"type\": \"disabled\"} or {\"type\": \"adaptive\"}", param="thinking")
+    unknown = set(thinking) - {"type", "budget_tokens", "display"}
+    if unknown:
+        raise APIError(400, f"unknown thinking field(s): {', '.join(sorted(unknown))}", param="thinking")
+    budget = thinking.get("budget_tokens")  # accepted, not enforced: the model ends its own reasoning
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        raise APIError(400, "thinking.budget_tokens must be a positive integer", param="thinking.budget_tokens")
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise APIError(400, "thinking.display must be summarized or omitted", param="thinking.display")
+    return THINKING_TYPES[thinking["type"]], display == "omitted"
+
+
 def prompt_ids(server, body: CountBody) -> tuple[list[int], list[dict] | None]:
     """The prompt's token ids (a final assistant turn is a prefill: it continues that text)."""
     messages, tools = template_messages(body), template_tools(body)
+    kwargs = template_overrides(server.settings, thinking_mode(body.thinking)[0], body.chat_template_kwargs)
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") and len(messages) > 1:
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace here
-    ids = server.encode_chat(messages, tools)
+    ids = server.encode_chat(messages, tools, kwargs)
     if prefill:
         tok = server.spec.tokenizer
         try:
@@ -164,21 +194,48 @@ def _tool_block(call: ToolCall) -> dict:
             "input": call.arguments}
 
 
-async def content_events(deltas: AsyncIterator[str], parse_tools: bool) -> AsyncIterator[tuple[str, dict]]:
-    """content_block_* events for a stream of text deltas (tool calls parsed when PARSE_TOOLS).
+async def content_events(deltas: AsyncIterator[str], parse_tools: bool, in_reasoning: bool = False,
+                         show_thinking: bool = True) -> AsyncIterator[tuple[str, dict]]:
+    """content_block_* events for a stream of text deltas: ``<think>`` reasoning becomes thinking
+    blocks (empty unless SHOW_THINKING), the rest text blocks, and tool calls (when
+    PARSE_TOOLS) tool_use blocks. IN_REASONING: the text starts inside the reasoning.
 
     With tools, whitespace just before or after tool calls (the template's newlines) is dropped."""
     parser = ToolCallParser() if parse_tools else None
-    index, open_text, pending, calls = 0, False, "", 0
+    splitter = ReasoningSplitter(in_reasoning)
+    index, open_block, pending, calls = 0, None, "", 0
+
+    def close():
+        nonlocal open_block, index
+        if open_block == "thinking":  # clients wait for it; there is nothing to sign here
+            yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": "signature_delta", "signature": ""}}
+        if open_block:
+            open_block = None
+            yield "content_block_stop", {"type": "content_block_stop", "index": index}
+            index += 1
+
+    def start(kind: str):
+        nonlocal open_block
+        if open_block != kind:
+            yield from close()
+            open_block = kind
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                          "signature": ""}
+            yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
 
     def emit(piece: str):
-        nonlocal open_text
-        if not open_text:
-            open_text = True
-            yield "content_block_start", {"type": "content_block_start", "index": index,
-                                          "content_block": {"type": "text", "text": ""}}
+        yield from start("text")
         yield "content_block_delta", {"type": "content_block_delta", "index": index,
                                       "delta": {"type": "text_delta", "text": piece}}
+
+    def think(piece: str):
+        nonlocal pending
+        pending = ""  # whitespace between an answer and more reasoning: the template's
+        yield from start("thinking")
+        if show_thinking:  # display "omitted": the block is there, its text is not
+            yield "content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": "thinking_delta", "thinking": piece}}
 
     def text(piece: str):
         nonlocal pending
@@ -190,17 +247,10 @@ async def content_events(deltas: AsyncIterator[str], parse_tools: bool) -> Async
             piece, pending = body, pending[len(body):]
         yield from emit(piece)
 
-    def close_text():
-        nonlocal open_text, index
-        if open_text:
-            open_text = False
-            yield "content_block_stop", {"type": "content_block_stop", "index": index}
-            index += 1
-
     def call(c: ToolCall):
         nonlocal index, pending, calls
         pending, calls = "", calls + 1
-        yield from close_text()
+        yield from close()
         block = _tool_block(c)
         yield "content_block_start", {"type": "content_block_start", "index": index,
                                       "content_block": {**block, "input": {}}}
@@ -209,20 +259,29 @@ async def content_events(deltas: AsyncIterator[str], parse_tools: bool) -> Async
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
         index += 1
 
-    def pieces(items):
+    def answer(items):
         for p in items:
             yield from (call(p) if isinstance(p, ToolCall) else text(p))
 
+    def pieces(items):
+        for kind, piece in items:
+            if kind == "reasoning":
+                yield from think(piece)
+            else:
+                yield from answer(parser.feed(piece) if parser else [piece])
+
     async with aclosing(deltas):
         async for delta in deltas:
-            for event in pieces(parser.feed(delta) if parser else [delta]):
+            for event in pieces(splitter.feed(delta)):
                 yield event
-    for event in pieces(parser.finish() if parser else []):
+    for event in pieces(splitter.finish()):
+        yield event
+    for event in answer(parser.finish() if parser else []):
         yield event
     if pending and not calls:  # no tool call came after it: it is part of the answer
         for event in emit(pending):
             yield event
-    for event in close_text():
+    for event in close():
         yield event
 
 
@@ -244,6 +303,7 @@ async def messages(body: MessagesBody, request: Request):
     server.check_model(body.model)
     server.check_max_tokens(body.max_tokens)
     drafter, depth = speculation_overrides(body.speculation, server.settings)
+    _, omit_thinking = thinking_mode(body.thinking)
     ids, tools = prompt_ids(server, body)
     gen = GenerationRequest(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                             top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
@@ -252,7 +312,8 @@ async def messages(body: MessagesBody, request: Request):
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                "model": server.settings.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ids), "output_tokens": 0}}
-    events = content_events(server.generate(request, gen, outcome), parse_tools=bool(tools))
+    events = content_events(server.generate(request, gen, outcome), parse_tools=bool(tools),
+                            in_reasoning=server.starts_in_reasoning(ids), show_thinking=not omit_thinking)
 
     def final_usage() -> dict:
         return {"input_tokens": len(ids), "output_tokens": outcome.completion_tokens,
@@ -263,10 +324,16 @@ async def messages(body: MessagesBody, request: Request):
         async for name, data in events:
             if name == "content_block_start":
                 blocks.append(dict(data["content_block"]))
-            elif name == "content_block_delta" and data["delta"]["type"] == "text_delta":
-                blocks[-1]["text"] += data["delta"]["text"]
             elif name == "content_block_delta":
-                blocks[-1]["input"] = json.loads(data["delta"]["partial_json"])
+                delta = data["delta"]
+                if delta["type"] == "text_delta":
+                    blocks[-1]["text"] += delta["text"]
+                elif delta["type"] == "thinking_delta":
+                    blocks[-1]["thinking"] += delta["thinking"]
+                elif delta["type"] == "signature_delta":
+                    blocks[-1]["signature"] = delta["signature"]
+                else:
+                    blocks[-1]["input"] = json.loads(delta["partial_json"])
         n_calls = sum(b["type"] == "tool_use" for b in blocks)
         return {**message, "content": blocks, "stop_reason": stop_reason(outcome, n_calls),
                 "stop_sequence": outcome.stop_sequence if not n_calls else None, "usage": final_usage()}

@@ -10,6 +10,7 @@ import hmac
 import json
 import logging
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import reasoning
 from ..api import DRAFTERS
 from ..errors import MlxspecError
 from .worker import QueueFull, Worker
@@ -44,6 +46,7 @@ class Settings:
     drafter: str = "auto"
     depth: int | None = None
     cors: bool = False
+    reasoning: str = "auto"  # on | off | auto: the chat template's enable_thinking by default
 
 
 @dataclass
@@ -106,6 +109,38 @@ def speculation_overrides(body: dict | None, settings: Settings) -> tuple[str, i
         if not body["enabled"]:
             drafter = "none"
     return drafter, depth
+
+
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+_RESERVED = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+             "tokenize", "sanitize_control_tokens", "chat_template", "padding", "truncation", "max_length",
+             "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def template_overrides(settings: Settings, mode: str | None, extra) -> dict:
+    """Chat-template variables: the server's --reasoning, over it the request's reasoning MODE
+    (None: not given), over both its ``chat_template_kwargs``."""
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        taken = sorted(set(extra) & _RESERVED)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server does)",
+                           param="chat_template_kwargs")
+    kwargs = reasoning.template_kwargs(mode if mode is not None else settings.reasoning)
+    kwargs.update(extra or {})
+    return kwargs
+
+
+async def reasoning_pieces(deltas: AsyncIterator[str], in_reasoning: bool) -> AsyncIterator[tuple[str, str]]:
+    """("reasoning" | "content", text) pieces of a generation's text deltas."""
+    splitter = reasoning.ReasoningSplitter(in_reasoning)
+    async with aclosing(deltas):  # closing the pieces stops the generation
+        async for delta in deltas:
+            for piece in splitter.feed(delta):
+                yield piece
+    for piece in splitter.finish():
+        yield piece
 
 
 def _stop_at(text: str, stops: list[str]) -> tuple[int, str] | None:
@@ -171,11 +206,15 @@ class Server:
             raise APIError(400, f"{param} {n} is above this server's cap of {self.settings.max_tokens_cap}",
                            param=param)
 
-    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         try:
-            return self.spec.encode(messages, tools=tools)
+            return self.spec.encode(messages, tools=tools, template_kwargs=template_kwargs)
         except Exception as err:  # jinja raises many types on odd messages
             raise APIError(400, f"the chat template rejected these messages: {' '.join(str(err).split())[:200]}")
+
+    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
+        return reasoning.starts_in_reasoning(self.spec.tokenizer, prompt_ids)
 
     async def generate(self, request: Request, gen: GenerationRequest, outcome: Outcome) -> AsyncIterator[str]:
         """Text deltas of one generation; OUTCOME is complete when the iterator ends."""

@@ -10,7 +10,9 @@ from typing import Any, Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started
+from .app import (APIError, EventStream, GenerationRequest, Outcome, reasoning_pieces, speculation_overrides, started,
+                  template_overrides)
+from .. import reasoning
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
@@ -47,6 +49,9 @@ class ChatRequest(_Sampling):
     tools: Optional[list[dict]] = None
     tool_choice: Union[str, dict, None] = None
     stream_options: Optional[dict] = None
+    chat_template_kwargs: Optional[dict] = None
+    reasoning: Any = None  # "on" | "off" | "auto" or {"enabled": bool, "effort": str, "max_tokens": int}
+    reasoning_effort: Optional[str] = None
 
 
 class CompletionRequest(_Sampling):
@@ -61,10 +66,55 @@ def _text(content) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # "none" turns reasoning off
+
+
+def _effort_mode(effort, param: str) -> str:
+    if effort not in EFFORTS:
+        raise APIError(400, f"{param} must be one of {', '.join(EFFORTS)}", param=param)
+    return "off" if effort == "none" else "on"
+
+
+def reasoning_mode(body: "ChatRequest") -> str | None:
+    """on / off / auto from the body's ``reasoning`` and ``reasoning_effort``; None: neither given."""
+    modes = []
+    r = body.reasoning
+    if isinstance(r, str):
+        if r not in reasoning.MODES:
+            raise APIError(400, f"reasoning must be one of {', '.join(reasoning.MODES)} or an object",
+                           param="reasoning")
+        modes.append(r)
+    elif isinstance(r, dict):
+        unknown = set(r) - {"enabled", "effort", "max_tokens"}
+        if unknown:
+            raise APIError(400, f"unknown reasoning field(s): {', '.join(sorted(unknown))}", param="reasoning")
+        if "enabled" in r:
+            if not isinstance(r["enabled"], bool):
+                raise APIError(400, "reasoning.enabled must be true or false", param="reasoning.enabled")
+            modes.append("on" if r["enabled"] else "off")
+        if "effort" in r:
+            modes.append(_effort_mode(r["effort"], "reasoning.effort"))
+        if "max_tokens" in r:  # a budget is not enforced (the model ends its own reasoning); 0 is off
+            n = r["max_tokens"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise APIError(400, "reasoning.max_tokens must be an integer, 0 or more", param="reasoning.max_tokens")
+            modes.append("on" if n else "off")
+    elif r is not None:
+        raise APIError(400, "reasoning must be \"on\", \"off\", \"auto\" or an object", param="reasoning")
+    if body.reasoning_effort is not None:
+        modes.append(_effort_mode(body.reasoning_effort, "reasoning_effort"))
+    if len(set(modes)) > 1:
+        raise APIError(400, "the reasoning fields disagree on whether to reason", param="reasoning")
+    return modes[0] if modes else None
+
+
 def _template_messages(messages: list[Message]) -> list[dict]:
     out = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+        thought = (m.model_extra or {}).get("reasoning_content")
+        if m.role == "assistant" and isinstance(thought, str) and thought:
+            msg["reasoning_content"] = thought  # templates render it where the model should see it
         if m.tool_calls:
             calls = []
             for call in m.tool_calls:
@@ -119,7 +169,9 @@ async def chat_completions(body: ChatRequest, request: Request):
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     tools = body.tools if body.tool_choice != "none" else None
-    prompt_ids = server.encode_chat(_template_messages(body.messages), tools)
+    kwargs = template_overrides(server.settings, reasoning_mode(body), body.chat_template_kwargs)
+    prompt_ids = server.encode_chat(_template_messages(body.messages), tools, kwargs)
+    in_reasoning = server.starts_in_reasoning(prompt_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     gen = _generation(server, body, prompt_ids, max_tokens)
     outcome = Outcome()
@@ -127,8 +179,11 @@ async def chat_completions(body: ChatRequest, request: Request):
     deltas = server.generate(request, gen, outcome)
     if not body.stream:
         parser = ToolCallParser() if tools else None
-        text, calls = "", []
-        async for delta in deltas:
+        text, thought, calls = "", "", []
+        async for kind, delta in reasoning_pieces(deltas, in_reasoning):
+            if kind == "reasoning":
+                thought += delta
+                continue
             for piece in (parser.feed(delta) if parser else [delta]):
                 if isinstance(piece, ToolCall):
                     calls.append(piece)
@@ -137,6 +192,8 @@ async def chat_completions(body: ChatRequest, request: Request):
         for piece in parser.finish() if parser else []:
             text += piece
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
             for c in message["tool_calls"]:
@@ -156,7 +213,11 @@ async def chat_completions(body: ChatRequest, request: Request):
         parser = ToolCallParser() if tools else None
         n_calls = 0
         try:
-            async for delta in deltas:
+            async for kind, delta in reasoning_pieces(deltas, in_reasoning):
+                if kind == "reasoning":
+                    yield _sse({**head, "choices": [{"index": 0, "delta": {"reasoning_content": delta},
+                                                     "finish_reason": None}]})
+                    continue
                 for piece in (parser.feed(delta) if parser else [delta]):
                     if isinstance(piece, ToolCall):
                         d = {"tool_calls": [_call_json(piece, n_calls)]}
