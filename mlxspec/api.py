@@ -92,6 +92,9 @@ class SpecModel:
         for module in modules:
             module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
                                    module.parameters()))
+            # now, on this thread's stream: a lazy cast evaluated by another thread (the
+            # server's worker) fails there
+            mx.eval(module.parameters())
 
     @property
     def name(self) -> str:

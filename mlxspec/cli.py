@@ -296,6 +296,10 @@ def run(
             spec = load(model, draft_model=draft_model)
         if spec.is_demo:
             _demo_notice(spec.name)
+        if chat:  # each turn reuses the conversation so far (config prompt_cache_bytes)
+            from .config import parse_bytes
+
+            spec.prompt_cache.max_bytes = parse_bytes(given["prompt_cache_bytes"], "prompt_cache_bytes")
 
         from . import cli_chat
         from .reasoning import split, template_kwargs

@@ -46,8 +46,9 @@ class Answer:
         in_reasoning = starts_in_reasoning(spec, prompt, options)
         splitter = ReasoningSplitter(in_reasoning)
         self._open_tag = in_reasoning and not self.hide  # the prompt wrote it; piped text shows it
-        chunks = spec.stream(prompt, **options)
         view = StreamView(_stdout_console()) if self.live else None
+        # a long prompt's prefill shows its progress in the status line
+        chunks = spec.stream(prompt, **options, **({"on_prefill": view.prefill} if view else {}))
         try:
             with view if view else contextlib.nullcontext():
                 try:

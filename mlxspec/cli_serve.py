@@ -21,6 +21,11 @@ speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2,
 "enabled": false}) and its drafted/accepted counts come back in usage. One generation runs at
 a time; up to --max-queue more wait, then 503 with Retry-After.
 
+Conversations are reused: a request whose prompt starts like an earlier one's (the same chat,
+one turn later) prefills only the new part, with exactly the same output; up to
+--prompt-cache-bytes of caches are kept, least recently used first out. usage reports the
+reused tokens (OpenAI prompt_tokens_details.cached_tokens, Anthropic cache_read_input_tokens).
+
 A thinking model's <think> reasoning comes back apart from the answer: OpenAI
 "reasoning_content", Anthropic thinking blocks. Whether it reasons is --reasoning's default,
 or per request "reasoning" ("off", {"enabled": false}), "reasoning_effort" ("none" is off) or
@@ -79,6 +84,11 @@ def serve(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = 16,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = 4096,
+    prompt_cache_bytes: Annotated[Optional[str], typer.Option(
+        "--prompt-cache-bytes", metavar="SIZE", show_default=False,
+        help="Memory for earlier conversations' caches (e.g. 4GiB, 512MB; 0 turns reuse off): a "
+             "request sharing a prefix with one prefills only the rest. Least recently used "
+             "conversations go first. Default: config, else 2GiB.")] = None,
     reasoning: Annotated[Optional[str], typer.Option(
         "--reasoning", metavar="MODE", show_default=False,
         help="Default reasoning of thinking models: on, off or auto (the chat template's default); "
@@ -90,10 +100,14 @@ def serve(
         from .config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file ([server], drafter, preset)
-        given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning))
+        given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning,
+                              prompt_cache_bytes=prompt_cache_bytes))
         drafter, host, port, preset, reasoning = (given[k] for k in ("drafter", "host", "port", "preset",
                                                                      "reasoning"))
         _check_reasoning(reasoning)
+        from .config import parse_bytes
+
+        cache_bytes = parse_bytes(given["prompt_cache_bytes"], "--prompt-cache-bytes")
         if max_queue < 0 or max_tokens_cap < 1:
             raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
         key = _api_key(api_key, api_key_file)
@@ -107,6 +121,7 @@ def serve(
         from .server.app import Settings, create_app
 
         spec = load(model, draft_model=draft_model)
+        spec.prompt_cache.max_bytes = cache_bytes
         if spec.is_demo:
             _demo_notice(spec.name)
         settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,

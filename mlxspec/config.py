@@ -6,7 +6,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from .errors import MlxspecError
+from .errors import MlxspecError, UsageError
 
 DEFAULT_MODEL_ENV = "MLXSPEC_DEFAULT_MODEL"
 
@@ -56,6 +56,7 @@ SETTINGS: dict[str, tuple[type, object, str, str]] = {
     "reasoning": (str, "auto", "MLXSPEC_REASONING", "reasoning"),
     "host": (str, "127.0.0.1", "MLXSPEC_HOST", "server.host"),
     "port": (int, 8000, "MLXSPEC_PORT", "server.port"),
+    "prompt_cache_bytes": (str, "2GiB", "MLXSPEC_PROMPT_CACHE_BYTES", "server.prompt_cache_bytes"),
 }
 _DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
 _REASONING = ("on", "off", "auto")  # mlxspec.reasoning.MODES
@@ -68,7 +69,28 @@ _CHECKS = {  # name: (ok, what it must be)
     "max_tokens": (lambda v: v >= 1, "at least 1"),
     "reasoning": (lambda v: v in _REASONING, "one of " + ", ".join(_REASONING)),
     "port": (lambda v: 1 <= v <= 65535, "between 1 and 65535"),
+    "prompt_cache_bytes": (lambda v: _bytes_or_none(v) is not None, "a size such as 2GiB, 512MB or 0"),
 }
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _bytes_or_none(text: str) -> int | None:
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", str(text).lower())
+    if not m:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """'2GiB', '512MB', '1.5G', '0' -> bytes (K/M/G/T are powers of 1000, KiB... of 1024)."""
+    value = _bytes_or_none(text)
+    if value is None:
+        raise UsageError(f"{what} must be a size such as 2GiB, 512MB or 0, got {text!r}")
+    return value
 
 
 def _typed(name: str, value, where: str, from_text: bool):

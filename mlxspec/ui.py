@@ -13,9 +13,13 @@ from rich.text import Text
 from .engine.stats import Stats
 
 
-def status_text(stats: Stats | None) -> Text:
-    """One line: speed, acceptance, drafter, depth and whether the gate has speculation on."""
+def status_text(stats: Stats | None, prefill: tuple[int, int] | None = None) -> Text:
+    """One line: speed, acceptance, drafter, depth and whether the gate has speculation on;
+    before the first token, how much of the prompt is prefilled."""
     if stats is None or stats.generated_tokens == 0:
+        if prefill and prefill[1]:
+            done, total = prefill
+            return Text(f"prefilling {done}/{total} prompt tokens ({done / total:.0%})…", style="dim", no_wrap=True)
         return Text("prefilling…", style="dim", no_wrap=True)
     parts = [f"{stats.generated_tokens} tok", f"{stats.decode_tps:.1f} tok/s"]
     if stats.drafter != "none":
@@ -31,7 +35,8 @@ def stats_line(stats: Stats) -> str:
     parts = [
         f"{stats.generated_tokens} tokens",
         f"{stats.decode_tps:.1f} tok/s",
-        f"prompt {stats.prompt_tokens} tok at {stats.prompt_tps:.1f} tok/s",
+        f"prompt {stats.prompt_tokens} tok at {stats.prompt_tps:.1f} tok/s"
+        + (f" ({stats.cached_tokens} reused)" if stats.cached_tokens else ""),
         f"ttft {stats.ttft_s:.2f}s",
     ]
     if stats.drafter == "none":
@@ -47,7 +52,9 @@ def stats_table(stats: Stats) -> Table:
     table.add_column(style="cyan", no_wrap=True)
     table.add_column()
     rows = [
-        ("tokens", f"{stats.prompt_tokens} prompt, {stats.generated_tokens} generated"),
+        ("tokens", f"{stats.prompt_tokens} prompt"
+                   + (f" ({stats.cached_tokens} reused from an earlier prompt)" if stats.cached_tokens else "")
+                   + f", {stats.generated_tokens} generated"),
         ("decode", f"{stats.decode_tps:.1f} tok/s"),
         ("prefill", f"{stats.prompt_tps:.1f} tok/s"),
         ("first token", f"{stats.ttft_s:.3f} s"),
@@ -84,6 +91,7 @@ class StreamView:
         self.console = console
         self.partial = Text()  # styled: reasoning is dimmed
         self.stats: Stats | None = None
+        self.prefilled: tuple[int, int] | None = None  # (done, total) prompt tokens
         self.min_refresh_s = min_refresh_s
         self._last_refresh = 0.0
         self.live = Live(console=console, transient=True, auto_refresh=False,
@@ -110,11 +118,16 @@ class StreamView:
             self.console.print(head)
         self._refresh()
 
+    def prefill(self, done: int, total: int) -> None:
+        """Progress of the prompt's prefill (SpecModel.stream's on_prefill)."""
+        self.prefilled = (done, total)
+        self._refresh(force=done >= total)
+
     def _refresh(self, force: bool = False) -> None:
         now = time.perf_counter()
         if force or now - self._last_refresh >= self.min_refresh_s:
             self._last_refresh = now
-            self.live.update(Group(self.partial.copy(), status_text(self.stats)), refresh=True)
+            self.live.update(Group(self.partial.copy(), status_text(self.stats, self.prefilled)), refresh=True)
 
     def close(self) -> None:
         """Remove the status line and leave the text, ending with a newline."""

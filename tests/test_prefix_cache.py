@@ -65,7 +65,8 @@ def test_an_attention_snapshot_serves_any_shorter_prefix(models):
     assert short.length == 17
     got = short.forward(mx.array(prompt[17:] + [5], mx.uint32), rollback=False)[-1]
     want = full.forward(mx.array([5], mx.uint32), rollback=False)[-1]
-    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    # (CUDA's fp32 GEMMs round differently per shape: equal to 1e-3 there, 1e-5 on the CPU)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-3, rtol=1e-3)
     assert int(mx.argmax(got)) == int(mx.argmax(want))
 
 
@@ -259,3 +260,82 @@ def test_a_thinking_template_reuses_the_conversation_up_to_the_last_user_turn(mi
     assert spec.tokenizer.decode(spec.encode("x", template_kwargs=THINK)).endswith("assistant\n<think>\n")
     for (before, boundary), (r, _) in zip(got, got[1:]):
         assert boundary and r.stats.cached_tokens == boundary[0]
+
+
+# -- the server: several clients, each reusing its own conversation ---------------------------
+
+def test_the_server_reuses_each_clients_conversation_and_says_so_in_usage(minis):
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    import httpx
+    from mlxspec.server.app import Settings, create_app
+    from server_helpers import running
+
+    spec = minis["hybrid"]
+    spec.prompt_cache = PrefixCache(2 << 30)
+    app = create_app(spec, Settings(model_name="mini"))
+    a_history, b_history, a_prompt, b_prompt = [], [], 0, 0
+    with running(app) as url:
+        oa = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        an = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        for i in range(3):
+            a_history.append({"role": "user", "content": TURNS[i]})
+            r = oa.chat.completions.create(model="mini", messages=a_history, max_tokens=12, temperature=0)
+            a_history.append({"role": "assistant", "content": r.choices[0].message.content})
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            assert (cached >= a_prompt - 1) if i else cached == 0
+            a_prompt = r.usage.prompt_tokens
+
+            b_history.append({"role": "user", "content": "Lists and tuples, turn %d." % i})
+            m = an.messages.create(model="mini", messages=b_history, max_tokens=12, extra_body={"temperature": 0})
+            b_history.append({"role": "assistant", "content": m.content[0].text if m.content else ""})
+            assert (m.usage.cache_read_input_tokens >= b_prompt - 1) if i else m.usage.cache_read_input_tokens == 0
+            b_prompt = m.usage.input_tokens
+        metrics = httpx.get(url + "/metrics").text
+        assert "mlxspec_prompt_cache_hits_total 4" in metrics
+        reused = [a_history[-1]["content"], b_history[-1]["content"]]
+        spec.prompt_cache.max_bytes = 0  # the same last turns again, nothing reused
+        r = oa.chat.completions.create(model="mini", messages=a_history[:-1], max_tokens=12, temperature=0)
+        m = an.messages.create(model="mini", messages=b_history[:-1], max_tokens=12, extra_body={"temperature": 0})
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert [r.choices[0].message.content, m.content[0].text if m.content else ""] == reused
+    spec.prompt_cache.max_bytes = 2 << 30
+
+
+def test_serve_refuses_a_bad_prompt_cache_size():
+    from typer.testing import CliRunner
+
+    from mlxspec import cli
+
+    result = CliRunner().invoke(cli.app, ["serve", "--prompt-cache-bytes", "lots"])
+    assert result.exit_code == 2
+    assert "--prompt-cache-bytes must be a size such as 2GiB" in result.output
+
+
+def test_sizes_parse():
+    from mlxspec.config import parse_bytes
+
+    assert parse_bytes("2GiB") == 2 << 30 and parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("0") == 0 and parse_bytes("1.5g") == 1_500_000_000 and parse_bytes("100") == 100
+    with pytest.raises(UsageError):
+        parse_bytes("-1")
+
+
+def test_a_smaller_budget_evicts_at_once_and_zero_empties_the_cache():
+    cache = PrefixCache(1 << 20)
+    for i in range(3):
+        cache.store([i] * 4, _snap(4))
+    cache.max_bytes = 32
+    assert len(cache) == 2 and cache.lookup([0] * 5, limit=4) is None
+    cache.max_bytes = 0
+    assert len(cache) == 0 and cache.lookup([2] * 5, limit=4) is None
+
+
+def test_run_shows_prefill_progress_and_reused_tokens():
+    from mlxspec.engine.stats import Stats
+    from mlxspec.ui import stats_line, status_text
+
+    assert "prefilling 512/2048 prompt tokens (25%)" in status_text(None, (512, 2048)).plain
+    assert status_text(None).plain == "prefilling…"
+    line = stats_line(Stats(prompt_tokens=900, cached_tokens=850, generated_tokens=3))
+    assert "prompt 900 tok" in line and "(850 reused)" in line

@@ -56,10 +56,27 @@ class PrefixCache:
     """Snapshots of recent prompts, most recently used last, at most ``max_bytes`` in all."""
 
     def __init__(self, max_bytes: int):
-        self.max_bytes = max(0, int(max_bytes))
         self._entries: OrderedDict[bytes, Entry] = OrderedDict()
         self._lock = threading.Lock()  # the server's worker and a client thread may both look
         self.hits = self.misses = 0
+        self.max_bytes = max_bytes
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        """A new budget; entries over it are dropped now, least recently used first (0: off)."""
+        self._max_bytes = max(0, int(value))
+        with self._lock:
+            self._evict()
+
+    def _evict(self) -> None:
+        total = sum(e.nbytes for e in self._entries.values())
+        while self._entries and total > self._max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            total -= evicted.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,10 +129,7 @@ class PrefixCache:
                           if len(e.tokens) <= len(arr) and common_prefix(e.tokens, arr) == len(e.tokens)]:
                     del self._entries[k]
             self._entries[key] = entry
-            total = sum(e.nbytes for e in self._entries.values())
-            while total > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                total -= evicted.nbytes
+            self._evict()
 
     def stats(self) -> dict:
         return {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes,

@@ -170,14 +170,17 @@ def thinking_mode(thinking) -> tuple[str | None, bool]:
     return THINKING_TYPES[thinking["type"]], display == "omitted"
 
 
-def prompt_ids(server, body: CountBody) -> tuple[list[int], list[dict] | None]:
-    """The prompt's token ids (a final assistant turn is a prefill: it continues that text)."""
+def prompt_ids(server, body: CountBody, points: list | None = None) -> tuple[list[int], list[dict] | None]:
+    """The prompt's token ids (a final assistant turn is a prefill: it continues that text);
+    POINTS, if given, gets where a later turn may reuse the prefix cache."""
     messages, tools = template_messages(body), template_tools(body)
     kwargs = template_overrides(server.settings, thinking_mode(body.thinking)[0], body.chat_template_kwargs)
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") and len(messages) > 1:
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace here
     ids = server.encode_chat(messages, tools, kwargs)
+    if points is not None:
+        points.extend(server.reuse_points(messages, ids, tools, kwargs))
     if prefill:
         tok = server.spec.tokenizer
         try:
@@ -304,10 +307,12 @@ async def messages(body: MessagesBody, request: Request):
     server.check_max_tokens(body.max_tokens)
     drafter, depth = speculation_overrides(body.speculation, server.settings)
     _, omit_thinking = thinking_mode(body.thinking)
-    ids, tools = prompt_ids(server, body)
+    points: list[int] = []
+    ids, tools = prompt_ids(server, body, points)
     gen = GenerationRequest(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
                             top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
-                            stop=[s for s in body.stop_sequences or [] if s], drafter=drafter, depth=depth)
+                            stop=[s for s in body.stop_sequences or [] if s], drafter=drafter, depth=depth,
+                            checkpoints=points)
     outcome = Outcome()
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                "model": server.settings.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
@@ -317,7 +322,7 @@ async def messages(body: MessagesBody, request: Request):
 
     def final_usage() -> dict:
         return {"input_tokens": len(ids), "output_tokens": outcome.completion_tokens,
-                "speculation": outcome.speculation()}
+                "cache_read_input_tokens": outcome.cached_tokens, "speculation": outcome.speculation()}
 
     if not body.stream:
         blocks: list[dict] = []

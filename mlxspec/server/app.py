@@ -63,6 +63,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     drafter: str = "auto"
     depth: int | None = None
+    checkpoints: list[int] | None = None  # where a later turn may reuse the caches (prefix cache)
 
 
 @dataclass
@@ -81,6 +82,11 @@ class Outcome:
         accepted = getattr(s, "accepted", 0)
         return {"drafter": getattr(s, "drafter", "none"), "drafted": drafted, "accepted": accepted,
                 "acceptance": round(accepted / drafted, 4) if drafted else None}
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from the prefix cache instead of prefilled."""
+        return getattr(self.stats, "cached_tokens", 0)
 
 
 def speculation_overrides(body: dict | None, settings: Settings) -> tuple[str, int | None]:
@@ -163,11 +169,12 @@ class Metrics:
     def __init__(self):
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = self.drafted = self.accepted = 0
+        self.cached_tokens = 0
 
     def observe(self, surface: str, status: int) -> None:
         self.requests[(surface, status)] = self.requests.get((surface, status), 0) + 1
 
-    def render(self, queue_depth: int) -> str:
+    def render(self, queue_depth: int, prompt_cache=None) -> str:
         lines = ["# HELP mlxspec_requests_total Requests answered, by surface and HTTP status.",
                  "# TYPE mlxspec_requests_total counter"]
         for (surface, status), n in sorted(self.requests.items()):
@@ -177,6 +184,7 @@ class Metrics:
             ("completion_tokens_total", self.completion_tokens, "Tokens generated."),
             ("drafted_tokens_total", self.drafted, "Draft tokens proposed to the target."),
             ("accepted_tokens_total", self.accepted, "Draft tokens the target accepted."),
+            ("cached_prompt_tokens_total", self.cached_tokens, "Prompt tokens reused from the prefix cache."),
         ):
             lines += [f"# HELP mlxspec_{name} {what}", f"# TYPE mlxspec_{name} counter", f"mlxspec_{name} {value}"]
         rate = self.accepted / self.drafted if self.drafted else 0.0
@@ -184,6 +192,16 @@ class Metrics:
                   "# TYPE mlxspec_acceptance_ratio gauge", f"mlxspec_acceptance_ratio {rate:.6f}",
                   "# HELP mlxspec_queue_depth Requests waiting or running.",
                   "# TYPE mlxspec_queue_depth gauge", f"mlxspec_queue_depth {queue_depth}"]
+        if prompt_cache is not None:
+            stats = prompt_cache.stats()
+            lines += ["# HELP mlxspec_prompt_cache_bytes Bytes held by the prefix cache.",
+                      "# TYPE mlxspec_prompt_cache_bytes gauge", f"mlxspec_prompt_cache_bytes {stats['bytes']}",
+                      "# HELP mlxspec_prompt_cache_entries Cached prompt prefixes.",
+                      "# TYPE mlxspec_prompt_cache_entries gauge",
+                      f"mlxspec_prompt_cache_entries {stats['entries']}",
+                      "# HELP mlxspec_prompt_cache_hits_total Requests that reused a cached prefix.",
+                      "# TYPE mlxspec_prompt_cache_hits_total counter",
+                      f"mlxspec_prompt_cache_hits_total {stats['hits']}"]
         return "\n".join(lines) + "\n"
 
 
@@ -213,6 +231,13 @@ class Server:
         except Exception as err:  # jinja raises many types on odd messages
             raise APIError(400, f"the chat template rejected these messages: {' '.join(str(err).split())[:200]}")
 
+    def reuse_points(self, messages: list[dict], prompt_ids: list[int], tools: list | None = None,
+                     template_kwargs: dict | None = None) -> list[int]:
+        """Where the next turn of this conversation will share the prompt (the prefix cache
+        keeps a hybrid model's state there)."""
+        points = getattr(self.spec, "reuse_points", None)  # (test doubles may have none)
+        return points(messages, prompt_ids, tools=tools, template_kwargs=template_kwargs) if points else []
+
     def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
         return reasoning.starts_in_reasoning(self.spec.tokenizer, prompt_ids)
 
@@ -223,6 +248,8 @@ class Server:
         kwargs = dict(prompt=gen.prompt_ids, max_tokens=gen.max_tokens, temperature=gen.temperature,
                       top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p, seed=gen.seed,
                       drafter=gen.drafter, depth=gen.depth)
+        if gen.checkpoints:
+            kwargs["checkpoints"] = gen.checkpoints
         try:
             job = self.worker.submit(kwargs)
         except QueueFull:
@@ -266,8 +293,10 @@ class Server:
         spec = outcome.speculation()
         m.drafted += spec["drafted"]
         m.accepted += spec["accepted"]
-        log.info("prompt=%d completion=%d finish=%s drafter=%s drafted=%d accepted=%d %.2fs",
-                 len(gen.prompt_ids), outcome.completion_tokens, outcome.finish_reason, spec["drafter"],
+        m.cached_tokens += outcome.cached_tokens
+        log.info("prompt=%d cached=%d completion=%d finish=%s drafter=%s drafted=%d accepted=%d %.2fs",
+                 len(gen.prompt_ids), outcome.cached_tokens, outcome.completion_tokens, outcome.finish_reason,
+                 spec["drafter"],
                  spec["drafted"], spec["accepted"], seconds)
 
 
@@ -431,7 +460,7 @@ def create_app(spec, settings: Settings) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(server.metrics.render(server.worker.depth),
+        return PlainTextResponse(server.metrics.render(server.worker.depth, getattr(spec, "prompt_cache", None)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -150,6 +150,7 @@ def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int 
 def _usage(gen: GenerationRequest, outcome: Outcome) -> dict:
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": outcome.completion_tokens,
             "total_tokens": len(gen.prompt_ids) + outcome.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
             "speculation": outcome.speculation()}
 
 
@@ -170,10 +171,12 @@ async def chat_completions(body: ChatRequest, request: Request):
         raise APIError(400, "messages must not be empty", param="messages")
     tools = body.tools if body.tool_choice != "none" else None
     kwargs = template_overrides(server.settings, reasoning_mode(body), body.chat_template_kwargs)
-    prompt_ids = server.encode_chat(_template_messages(body.messages), tools, kwargs)
+    messages = _template_messages(body.messages)
+    prompt_ids = server.encode_chat(messages, tools, kwargs)
     in_reasoning = server.starts_in_reasoning(prompt_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     gen = _generation(server, body, prompt_ids, max_tokens)
+    gen.checkpoints = server.reuse_points(messages, prompt_ids, tools, kwargs)
     outcome = Outcome()
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     deltas = server.generate(request, gen, outcome)
