@@ -53,6 +53,7 @@ class SpecModel:
         self._cost = None  # this machine's verify-cost curve, measured on first use
         # earlier prompts' caches: a request sharing a prefix with one prefills only the rest
         self.prompt_cache = PrefixCache(DEFAULT_PROMPT_CACHE_BYTES)
+        self._fixed: bool | None = None  # see _fixed_state
 
     def verify_cost(self):
         """Measured cost of verifying 1..16 tokens with this model: the curve `mlxspec tune`
@@ -95,6 +96,18 @@ class SpecModel:
             # now, on this thread's stream: a lazy cast evaluated by another thread (the
             # server's worker) fails there
             mx.eval(module.parameters())
+
+    @property
+    def _fixed_state(self) -> bool:
+        """Whether the model has caches that serve only the length they were stored at
+        (recurrent or sliding-window): only those need extra reuse points."""
+        if self._fixed is None:
+            from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+            from .engine.cache import _leaves
+
+            self._fixed = any(type(c) is not KVCache for c in _leaves(make_prompt_cache(self.target.model)))
+        return self._fixed
 
     @property
     def name(self) -> str:
@@ -155,7 +168,7 @@ class SpecModel:
         turn differently, e.g. without its reasoning). A hybrid model's recurrent state can be
         reused only where it was stored, so the prefix cache stores it there too."""
         messages = None if raw else self._messages(prompt, system)
-        if not messages or not getattr(self.tokenizer, "chat_template", None):
+        if not messages or not getattr(self.tokenizer, "chat_template", None) or not self._fixed_state:
             return []
         try:
             history = self._render(messages, False, tools, template_kwargs)

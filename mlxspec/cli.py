@@ -306,7 +306,9 @@ def run(
 
         options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
-                       template_kwargs=template_kwargs(reasoning))
+                       template_kwargs=template_kwargs(reasoning),
+                       # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
+                       reuse=chat)
         options.update(preset_options)
         if json_out:
             result = spec.generate(prompt, **options)

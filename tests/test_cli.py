@@ -228,7 +228,7 @@ def test_options_reach_the_api(fake_load):
     assert result.exit_code == 0, result.output
     assert fake_load[-1].calls[0] == ("p", dict(
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=7, drafter="pld",
-        depth=3, system="be brief", raw=True, template_kwargs={}))
+        depth=3, system="be brief", raw=True, template_kwargs={}, reuse=False))
 
 
 @pytest.mark.parametrize("flags, fragment", [
