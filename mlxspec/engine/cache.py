@@ -79,13 +79,13 @@ class Snapshot:
     leaves: list  # per cache leaf: ("kv", k, v) | ("ring", k, v, offset, idx) | ("arrays", [..])
     trimmable: bool
 
+    def arrays(self) -> list[mx.array]:
+        return [a for leaf in self.leaves for a in (leaf[1] if leaf[0] == "arrays" else leaf[1:3])
+                if a is not None]
+
     @property
     def nbytes(self) -> int:
-        total = 0
-        for leaf in self.leaves:
-            arrays = leaf[1] if leaf[0] == "arrays" else leaf[1:3]
-            total += sum(a.nbytes for a in arrays if isinstance(a, mx.array))
-        return total
+        return sum(a.nbytes for a in self.arrays())
 
 
 def snapshot_caches(caches: list, length: int) -> Snapshot | None:
@@ -97,8 +97,7 @@ def snapshot_caches(caches: list, length: int) -> Snapshot | None:
             leaves.append(("arrays", list(c.cache)))
             trimmable = False
         elif isinstance(c, RotatingKVCache):
-            k, v = (None, None) if c.keys is None else (c.keys[...], c.values[...])
-            leaves.append(("ring", k, v, c.offset, c._idx))
+            leaves.append(("ring", *(_save_ring(c) if c.keys is not None else (None, None, c.offset, c._idx))))
             trimmable = trimmable and c.offset < c.max_size  # not wrapped: in temporal order
         elif type(c) is KVCache:
             k, v = (None, None) if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
@@ -106,7 +105,7 @@ def snapshot_caches(caches: list, length: int) -> Snapshot | None:
         else:
             return None
     snap = Snapshot(length, leaves, trimmable)
-    mx.eval([a for leaf in leaves for a in (leaf[1] if leaf[0] == "arrays" else leaf[1:3]) if a is not None])
+    mx.eval(snap.arrays())
     return snap
 
 
@@ -123,7 +122,7 @@ def restore_caches(caches: list, snap: Snapshot, length: int) -> None:
         elif kind == "kv":  # new array objects: writes go to them, never to the snapshot's
             c.keys, c.values, c.offset = leaf[1][..., :length, :], leaf[2][..., :length, :], length
         else:
-            c.keys, c.values, c.offset, c._idx = leaf[1][...], leaf[2][...], leaf[3], leaf[4]
+            _load_ring(c, (leaf[1][...], leaf[2][...], leaf[3], leaf[4]))
             c.trim(leaf[3] - length)
 
 
