@@ -21,7 +21,7 @@ DEBUG_ENV = "MLXSPEC_DEBUG"
 app = typer.Typer(
     name="mlxspec",
     help="Exact speculative decoding for MLX: faster generation with identical output.",
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (Homebrew calls the latter)
     no_args_is_help=True,
     pretty_exceptions_enable=False,  # main() prints one-line errors instead
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -53,13 +53,42 @@ def _root(
 # -- small helpers -----------------------------------------------------------
 
 
+def complete_model(incomplete: str) -> list[str]:
+    """Shell completion for MODEL: cached repo ids, then catalog aliases.
+
+    Paths are left to the shell (nothing matches "./" here, so its file completion takes over).
+    A broken or missing cache completes nothing rather than printing a traceback into the shell.
+    """
+    try:
+        from . import hub
+
+        names = [row["repo_id"] for row in hub.list_models()]
+        names += [entry.alias for entry in hub.catalog().values()]
+    except Exception:
+        return []
+    return [name for name in dict.fromkeys(names) if name.lower().startswith(incomplete.lower())]
+
+
+def complete_drafter(incomplete: str) -> list[str]:
+    return [name for name in DRAFTERS if name.startswith(incomplete)]
+
+
+def complete_reasoning(incomplete: str) -> list[str]:
+    return [mode for mode in ("on", "off", "auto") if mode.startswith(incomplete)]
+
+
 def _help(text: str) -> str:
     """Command help written as indented paragraphs -> one line per paragraph, for Typer."""
     return "\n\n".join(" ".join(paragraph.split()) for paragraph in text.strip().split("\n\n"))
 
 
+def no_color() -> bool:
+    """NO_COLOR set and not empty (no-color.org): no ANSI colours anywhere. Rich reads it itself."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
 def _error(message: str) -> None:
-    color = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
+    color = sys.stderr.isatty() and not no_color()
     label = "\x1b[1;31merror:\x1b[0m" if color else "error:"
     sys.stderr.write(f"{label} {message}\n")
     sys.stderr.flush()
@@ -209,12 +238,13 @@ asks the model not to reason.
 def run(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
     prompt: Annotated[Optional[str], typer.Argument(
         metavar="PROMPT", show_default=False,
         help="The prompt. Omit it to read stdin, or to chat on a terminal.")] = None,
     drafter: Annotated[Optional[str], typer.Option(
+        autocompletion=complete_drafter,
         help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
              "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
              "--draft-model), mtp (the model's native multi-token-prediction head) or none "
@@ -251,7 +281,7 @@ def run(
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send the prompt as is, without the model's chat template.")] = False,
     reasoning: Annotated[Optional[str], typer.Option(
-        "--reasoning", metavar="on|off|auto",
+        "--reasoning", metavar="on|off|auto", autocompletion=complete_reasoning,
         help="Whether a thinking model (Qwen3, Qwen3.5 ...) reasons before answering: sets the chat "
              "template's enable_thinking; auto keeps the template's default (default: auto, or "
              "$MLXSPEC_REASONING / config).", show_default=False)] = None,

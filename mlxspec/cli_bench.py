@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app
+from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app, complete_model
 from .errors import UsageError
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
@@ -95,7 +95,7 @@ def _outputs(docs, json_path, png_path) -> None:
 @app.command(help=BENCH_HELP)
 def bench(
     model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
         help=f"Target model: local folder or cached Hugging Face repo id (default: {DEFAULT_MODEL}, "
              "if that folder exists here).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app
+from .cli import complete_model, _help, _note, _stderr_console, _stdout_console, _user_errors, app
 from .config import user_config_path
 from .errors import MlxspecError, UsageError
 
@@ -90,7 +90,7 @@ uses the stored cost curve instead of measuring it at load.
 @app.command(help=TUNE_HELP)
 def tune(
     model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="PATH_OR_REPO",
@@ -229,7 +229,7 @@ def _pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
 @app.command(help=PULL_HELP)
 def pull(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False, help="Repo id (org/name) or catalog alias.")],
+        metavar="MODEL", show_default=False, autocompletion=complete_model, help="Repo id (org/name) or catalog alias.")],
     revision: Annotated[Optional[str], typer.Option(
         "--revision", help="Branch, tag or commit to download (default: main).", show_default=False)] = None,
     include_mtp: Annotated[bool, typer.Option(
@@ -296,7 +296,7 @@ def list_models(
 @app.command(name="rm")
 def remove_model(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False, help="Cached repo id or catalog alias.")],
+        metavar="MODEL", show_default=False, autocompletion=complete_model, help="Cached repo id or catalog alias.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Remove MODEL (every cached revision) from the Hugging Face cache."""
@@ -391,7 +391,7 @@ def _profile_lines(data: dict) -> list[tuple[str, str]]:
 @app.command(help=PROFILE_HELP)
 def profile(
     model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Also show what --preset auto would choose for this model folder or cached repo id.")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="PATH_OR_REPO", help="A draft model to consider for MODEL.")] = None,

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import DRAFTERS, _check_reasoning, _demo_notice, _error, _help, _note, _user_errors, app
+from .cli import (DRAFTERS, _check_reasoning, _demo_notice, _error, _help, _note, _user_errors, app,
+                  complete_drafter, complete_model, complete_reasoning, no_color)
 from .errors import UsageError
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
@@ -62,12 +63,12 @@ def _api_key(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
 def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False,
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Model folder or cached repo id (default: the configured default, else the demo model).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="M", show_default=False, help="Draft model with the same tokenizer.")] = None,
     drafter: Annotated[Optional[str], typer.Option(
-        "--drafter", metavar="NAME", show_default=False,
+        "--drafter", metavar="NAME", show_default=False, autocompletion=complete_drafter,
         help=f"Default drafter: {', '.join(DRAFTERS)} (default: config, else auto).")] = None,
     preset: Annotated[Optional[str], typer.Option(
         "--preset", metavar="P", show_default=False,
@@ -90,7 +91,7 @@ def serve(
              "request sharing a prefix with one prefills only the rest. Least recently used "
              "conversations go first. Default: config, else 2GiB.")] = None,
     reasoning: Annotated[Optional[str], typer.Option(
-        "--reasoning", metavar="MODE", show_default=False,
+        "--reasoning", metavar="MODE", show_default=False, autocompletion=complete_reasoning,
         help="Default reasoning of thinking models: on, off or auto (the chat template's default); "
              "requests override it (default: $MLXSPEC_REASONING, config, else auto).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow cross-origin requests from any origin.")] = False,
@@ -143,7 +144,8 @@ def serve(
     request_log.addHandler(handler)  # one line per request: tokens, finish, drafted/accepted
     request_log.setLevel(logging.INFO)
     try:
-        uvicorn.run(application, host=host, port=port, log_level=log_level)
+        uvicorn.run(application, host=host, port=port, log_level=log_level,
+                    use_colors=False if no_color() else None)
     except OSError as err:
         _error(f"cannot bind {host}:{port}: {err.strerror}")
         raise typer.Exit(1) from None
