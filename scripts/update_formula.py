@@ -1,0 +1,272 @@
+#!/usr/bin/env python3
+"""Rewrite Formula/mlxspec.rb for a release: one command.
+
+    python scripts/update_formula.py            # build the sdist, resolve, rewrite the formula
+    python scripts/update_formula.py --check    # the same, but only say whether the formula is current
+
+Steps: build the sdist (``uv build --sdist``), take its sha256; resolve the runtime dependencies for
+the formula's target (macOS 14+ on arm64, CPython of the formula's ``python@`` dependency) with
+``uv pip compile --python-platform aarch64-apple-darwin``, so ``sys_platform == 'darwin'`` markers
+are the Mac's, not this machine's; pick each pinned package's file from PyPI's JSON simple index;
+rewrite the formula's url, sha256 and resource blocks. Needs uv (``pip install uv``) and PyPI.
+
+File choice per package, the rule the formula's install method relies on:
+- pure Python: its sdist (homebrew-core's rule: resources are built from source);
+- compiled code: the best macOS arm64 wheel for the target. mlx and mlx-metal publish no sdist at
+  all, and building numpy, tokenizers, pydantic-core ... from source would need Rust, CMake and
+  Xcode at install time. Those resources are fetched with ``using: :nounzip`` and pip-installed
+  as wheel files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from packaging.tags import Tag, compatible_tags, cpython_tags, mac_platforms
+from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMULA = ROOT / "Formula" / "mlxspec.rb"
+PROJECT = "mlxspec"
+INDEX = "https://pypi.org/simple"
+# PyPI serves every sdist at this stable address, so the formula's url is known before the upload
+SDIST_URL = "https://files.pythonhosted.org/packages/source/{first}/{name}/{name}-{version}.tar.gz"
+MACOS = "14.0"  # mlx's oldest macOS wheels; the formula says `depends_on macos: :sonoma`
+
+
+class FormulaError(Exception):
+    """A problem the release manager fixes: printed as one line, exit 1."""
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str        # canonical PyPI name, as homebrew-core spells resources
+    version: str
+    url: str
+    sha256: str
+
+    @property
+    def is_wheel(self) -> bool:
+        return self.url.endswith(".whl")
+
+    def ruby(self) -> str:
+        using = ", using: :nounzip" if self.is_wheel else ""
+        return (f'  resource "{self.name}" do\n'
+                f'    url "{self.url}"{using}\n'
+                f'    sha256 "{self.sha256}"\n'
+                f"  end\n")
+
+
+# -- choosing a file -----------------------------------------------------------------------------
+
+
+def target_tags(python: str, macos: str = MACOS) -> list[Tag]:
+    """Wheel tags the target interpreter accepts, most preferred first (pip's own order)."""
+    major, minor = (int(x) for x in python.split("."))
+    os_major, os_minor = (int(x) for x in macos.split("."))
+    platforms = list(mac_platforms((os_major, os_minor), "arm64"))
+    abi = f"cp{major}{minor}"
+    return [*cpython_tags((major, minor), [abi], platforms), *compatible_tags((major, minor), abi, platforms)]
+
+
+def _is_pure(filename: str) -> bool:
+    _, _, _, tags = parse_wheel_filename(filename)
+    return all(tag.abi == "none" and tag.platform == "any" for tag in tags)
+
+
+def choose_file(name: str, version: str, files: list[dict], tags: list[Tag]) -> Resource:
+    """The file of NAME==VERSION the formula installs, from PyPI simple-index JSON ``files``."""
+    rank = {tag: i for i, tag in enumerate(tags)}
+    want = Version(version)
+    sdist, best, best_rank = None, None, len(rank)
+    for f in files:
+        if f.get("yanked"):
+            continue
+        filename = f["filename"]
+        try:
+            if filename.endswith(".whl"):
+                fname, fversion, _, ftags = parse_wheel_filename(filename)
+            else:
+                fname, fversion = parse_sdist_filename(filename)
+                ftags = None
+        except ValueError:  # old or odd names (eggs, .zip uploads with bad versions): not ours
+            continue
+        if canonicalize_name(fname) != canonicalize_name(name) or fversion != want:
+            continue
+        if ftags is None:
+            if filename.endswith(".tar.gz"):
+                sdist = f
+            continue
+        r = min((rank[t] for t in ftags if t in rank), default=None)
+        if r is not None and r < best_rank:
+            best, best_rank = f, r
+    if best is not None and not _is_pure(best["filename"]):
+        chosen = best  # compiled: the wheel
+    elif sdist is not None:
+        chosen = sdist
+    elif best is not None:
+        chosen = best  # pure, but no sdist published
+    else:
+        raise FormulaError(f"{name} {version} has neither an sdist nor a wheel for macOS arm64")
+    sha = chosen.get("hashes", {}).get("sha256")
+    if not sha:
+        raise FormulaError(f"the index gives no sha256 for {chosen['filename']}")
+    return Resource(canonicalize_name(name), version, chosen["url"], sha)
+
+
+# -- rewriting the formula -----------------------------------------------------------------------
+
+_RESOURCE = re.compile(r'^  resource "[^"]+" do\n(?:^    .*\n)*?^  end\n\n?', re.M)
+_TOP_URL = re.compile(r'^  url "[^"]*"\n  sha256 "[0-9a-f]*"\n', re.M)
+_PYTHON = re.compile(r'depends_on "python@\d+\.\d+"')
+
+
+def formula_python(text: str) -> str:
+    """The X.Y of the formula's ``depends_on "python@X.Y"``."""
+    m = _PYTHON.search(text)
+    if m is None:
+        raise FormulaError('the formula has no depends_on "python@X.Y" line')
+    return m.group(0).split("@")[1].rstrip('"')
+
+
+def rewrite(text: str, url: str, sha256: str, resources: list[Resource]) -> str:
+    """TEXT with its top url/sha256 and every resource block replaced (resources sorted by name)."""
+    if not _TOP_URL.search(text):
+        raise FormulaError("the formula has no top-level url + sha256 lines to rewrite")
+    text = _TOP_URL.sub(f'  url "{url}"\n  sha256 "{sha256}"\n', text, count=1)
+    text = _RESOURCE.sub("", text)
+    anchor = text.find("  def install")
+    if anchor < 0:
+        raise FormulaError("the formula has no `def install`")
+    blocks = "\n".join(r.ruby() for r in sorted(resources, key=lambda r: r.name))
+    return text[:anchor] + blocks + "\n" + text[anchor:]
+
+
+# -- the steps that touch the outside ------------------------------------------------------------
+
+
+def _uv() -> list[str]:
+    exe = shutil.which("uv")
+    if exe:
+        return [exe]
+    try:
+        import uv  # noqa: F401  (the PyPI package ships the binary)
+    except ImportError:
+        raise FormulaError("uv is needed: pip install uv") from None
+    return [sys.executable, "-m", "uv"]
+
+
+def _run(args: list[str], **kwargs) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, **kwargs)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise FormulaError(f"`{' '.join(args[:4])} ...` failed: {tail[0]}")
+    return proc.stdout
+
+
+def build_sdist(out_dir: Path) -> Path:
+    _run([*_uv(), "build", "--sdist", "--out-dir", str(out_dir), str(ROOT)])
+    found = sorted(out_dir.glob(f"{PROJECT}-*.tar.gz"))
+    if len(found) != 1:
+        raise FormulaError(f"expected one sdist in {out_dir}, found {len(found)}")
+    return found[0]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve(python: str, macos: str = MACOS) -> list[tuple[str, str]]:
+    """(name, version) of every runtime dependency, resolved for macOS arm64 and CPython PYTHON."""
+    env = dict(os.environ, MACOSX_DEPLOYMENT_TARGET=macos, UV_PYTHON_DOWNLOADS="never")
+    out = _run([*_uv(), "pip", "compile", str(ROOT / "pyproject.toml"), "--quiet",
+                "--python-platform", "aarch64-apple-darwin", "--python-version", python,
+                "--no-header", "--no-annotate", "--index-url", INDEX], env=env, cwd=ROOT)
+    pins = []
+    for line in out.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9._-]+)(?:\[[^\]]*\])?==([^\s;]+)", line)
+        if m is None:
+            raise FormulaError(f"unexpected line from uv pip compile: {line!r}")
+        pins.append((canonicalize_name(m.group(1)), m.group(2)))
+    return pins
+
+
+def index_files(name: str) -> list[dict]:
+    """PyPI's JSON simple index (PEP 691) for NAME: every file with its url and hashes."""
+    request = urllib.request.Request(f"{INDEX}/{name}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["files"]
+
+
+def package_version() -> str:
+    text = (ROOT / "mlxspec" / "__init__.py").read_text(encoding="utf-8")
+    m = re.search(r'^__version__ = "([^"]+)"', text, re.M)
+    if m is None:
+        raise FormulaError("mlxspec/__init__.py has no __version__")
+    return m.group(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formula", type=Path, default=FORMULA, help="the formula to rewrite")
+    parser.add_argument("--sdist", type=Path, help="an sdist already built (default: build one)")
+    parser.add_argument("--url", help="where the release sdist is downloaded from "
+                                      "(default: its PyPI address)")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 and show the diff if the formula is not current")
+    args = parser.parse_args(argv)
+    try:
+        text = args.formula.read_text(encoding="utf-8")
+        python = formula_python(text)
+        version = package_version()
+        with tempfile.TemporaryDirectory() as tmp:
+            sdist = args.sdist or build_sdist(Path(tmp))
+            if not sdist.name.startswith(f"{PROJECT}-{version}."):
+                raise FormulaError(f"{sdist.name} is not the sdist of {PROJECT} {version}")
+            sha = sha256_of(sdist)
+        url = args.url or SDIST_URL.format(first=PROJECT[0], name=PROJECT, version=version)
+        tags = target_tags(python)
+        resources = []
+        for name, pinned in resolve(python):
+            resources.append(choose_file(name, pinned, index_files(name), tags))
+            print(f"  {name} {pinned}: {'wheel' if resources[-1].is_wheel else 'sdist'}", file=sys.stderr)
+        new = rewrite(text, url, sha, resources)
+    except (FormulaError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if new == text:
+        print(f"{args.formula} is current ({PROJECT} {version}, {len(resources)} resources)")
+        return 0
+    if args.check:
+        sys.stdout.writelines(difflib.unified_diff(text.splitlines(True), new.splitlines(True),
+                                                   str(args.formula), "rewritten"))
+        return 1
+    args.formula.write_text(new, encoding="utf-8")
+    print(f"rewrote {args.formula}: {PROJECT} {version}, sdist sha256 {sha[:12]}..., "
+          f"{len(resources)} resources ({sum(r.is_wheel for r in resources)} wheels)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
