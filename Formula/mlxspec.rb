@@ -1,7 +1,7 @@
 class Mlxspec < Formula
   include Language::Python::Virtualenv
 
-  desc "Exact speculative decoding for MLX: prompt lookup, draft models and native MTP heads"
+  desc "Exact speculative decoding for MLX: prompt lookup, draft models, MTP heads"
   homepage "https://pypi.org/project/mlxspec/"
   # Rewritten for each release by scripts/update_formula.py (url, sha256 and every resource)
   url "https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-0.1.0.tar.gz"

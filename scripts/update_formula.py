@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMULA = ROOT / "Formula" / "mlxspec.rb"
 PROJECT = "mlxspec"
 INDEX = "https://pypi.org/simple"
-# PyPI serves every sdist at this stable address, so the formula's url is known before the upload
+# PyPI serves every sdist at this address too, so the formula has a url before the upload; once the
+# sdist is on PyPI the script uses its hashed address, which `brew audit` asks for
 SDIST_URL = "https://files.pythonhosted.org/packages/source/{first}/{name}/{name}-{version}.tar.gz"
 MACOS = "14.0"  # mlx's oldest macOS wheels; the formula says `depends_on macos: :sonoma`
 
@@ -218,6 +220,24 @@ def index_files(name: str) -> list[dict]:
         return json.load(response)["files"]
 
 
+def release_url(version: str, sha256: str) -> str:
+    """PyPI's address of this version's sdist: the hashed one once uploaded (and then it must be
+    the very file built here), else the /packages/source/ one that works once it is."""
+    try:
+        files = index_files(PROJECT)
+    except urllib.error.HTTPError as err:
+        if err.code != 404:  # 404: the project is not on PyPI yet
+            raise
+        files = []
+    for f in files:
+        if f["filename"] == f"{PROJECT}-{version}.tar.gz":
+            if f.get("hashes", {}).get("sha256") != sha256:
+                raise FormulaError(f"PyPI's {f['filename']} is not the sdist built here (sha256 differs); "
+                                   "pass the uploaded file with --sdist")
+            return f["url"]
+    return SDIST_URL.format(first=PROJECT[0], name=PROJECT, version=version)
+
+
 def package_version() -> str:
     text = (ROOT / "mlxspec" / "__init__.py").read_text(encoding="utf-8")
     m = re.search(r'^__version__ = "([^"]+)"', text, re.M)
@@ -231,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formula", type=Path, default=FORMULA, help="the formula to rewrite")
     parser.add_argument("--sdist", type=Path, help="an sdist already built (default: build one)")
-    parser.add_argument("--url", help="where the release sdist is downloaded from "
-                                      "(default: its PyPI address)")
+    parser.add_argument("--url", help="where the release sdist is downloaded from (default: its "
+                                      "PyPI address, checked against PyPI's sha256 once uploaded)")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 and show the diff if the formula is not current")
     args = parser.parse_args(argv)
@@ -245,13 +265,16 @@ def main(argv: list[str] | None = None) -> int:
             if not sdist.name.startswith(f"{PROJECT}-{version}."):
                 raise FormulaError(f"{sdist.name} is not the sdist of {PROJECT} {version}")
             sha = sha256_of(sdist)
-        url = args.url or SDIST_URL.format(first=PROJECT[0], name=PROJECT, version=version)
+        url = args.url or release_url(version, sha)
         tags = target_tags(python)
         resources = []
         for name, pinned in resolve(python):
             resources.append(choose_file(name, pinned, index_files(name), tags))
             print(f"  {name} {pinned}: {'wheel' if resources[-1].is_wheel else 'sdist'}", file=sys.stderr)
         new = rewrite(text, url, sha, resources)
+    except urllib.error.URLError as err:
+        print(f"error: cannot read PyPI's index: {err}", file=sys.stderr)
+        return 1
     except (FormulaError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -131,8 +131,7 @@ class Formula
 
   def shell_output(cmd, result = 0)
     out = `#{cmd}`
-    status = $CHILD_STATUS || $?
-    raise AssertionFailed, "`#{cmd}` exited #{status.exitstatus}, expected #{result}" if status.exitstatus != result
+    raise AssertionFailed, "`#{cmd}` exited #{$?.exitstatus}, expected #{result}" if $?.exitstatus != result
 
     out
   end

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,9 @@ def test_formula_is_a_virtualenv_python_app_for_apple_silicon(described):
     assert "macos" in deps and {"arch": "arm64"} in deps
     pythons = [d for d in deps if isinstance(d, str) and d.startswith("python@")]
     assert pythons in (["python@3.12"], ["python@3.13"])
-    assert described["license"] == "MIT" and described["desc"] and described["homepage"].startswith("https://")
+    assert described["license"] == "MIT" and described["homepage"].startswith("https://")
+    desc = described["desc"]  # brew audit: at most 80 characters, no name, no final full stop
+    assert 0 < len(desc) <= 80 and not desc.lower().startswith("mlxspec") and not desc.endswith(".")
     text = FORMULA.read_text()
     assert "include Language::Python::Virtualenv" in text and "virtualenv_install_with_resources" in text
 
@@ -250,6 +253,14 @@ def test_resolve_reads_uv_pins(monkeypatch):
     assert args[args.index("--python-version") + 1] == "3.13" and seen["env"]["MACOSX_DEPLOYMENT_TARGET"] == "14.0"
 
 
+def fake_index(index):
+    def index_files(name):
+        if name not in index:
+            raise urllib.error.HTTPError(f"https://pypi.org/simple/{name}/", 404, "Not Found", None, None)
+        return index[name]
+    return index_files
+
+
 def test_update_formula_main_end_to_end(tmp_path, monkeypatch, capsys):
     """The release command on a copy of the formula, with PyPI and uv replaced by fixed answers."""
     formula = tmp_path / "mlxspec.rb"
@@ -259,24 +270,54 @@ def test_update_formula_main_end_to_end(tmp_path, monkeypatch, capsys):
     index = {"mlx": [pypi_file("mlx-0.32.4-cp313-cp313-macosx_14_0_arm64.whl")],
              "rich": [pypi_file("rich-15.0.0-py3-none-any.whl"), pypi_file("rich-15.0.0.tar.gz")]}
     monkeypatch.setattr(update_formula, "resolve", lambda python: [("rich", "15.0.0"), ("mlx", "0.32.4")])
-    monkeypatch.setattr(update_formula, "index_files", lambda name: index[name])
+    monkeypatch.setattr(update_formula, "index_files", fake_index(index))
     args = ["--formula", str(formula), "--sdist", str(sdist)]
 
     assert update_formula.main([*args, "--check"]) == 1  # differs: nothing written
     assert formula.read_text() == FORMULA.read_text()
     assert update_formula.main(args) == 0
     text = formula.read_text()
-    assert f'sha256 "{hashlib.sha256(b"release sdist").hexdigest()}"' in text
+    sha = hashlib.sha256(b"release sdist").hexdigest()
+    assert f'sha256 "{sha}"' in text
+    source_url = f"https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-{mlxspec.__version__}.tar.gz"
+    assert f'url "{source_url}"' in text  # not on PyPI yet
     assert text.count("  resource ") == 2 and "rich-15.0.0.tar.gz" in text
     assert update_formula.main([*args, "--check"]) == 0
     assert "is current" in capsys.readouterr().out
     proc = subprocess.run([_ruby(), "-c", str(formula)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+    # uploaded: the hashed address, once PyPI's sha256 is the one built here
+    uploaded = pypi_file(sdist.name)
+    uploaded["hashes"]["sha256"] = sha
+    index["mlxspec"] = [uploaded]
+    assert update_formula.main(args) == 0
+    assert f'url "{uploaded["url"]}"' in formula.read_text()
+    uploaded["hashes"]["sha256"] = "0" * 64
+    assert update_formula.main(args) == 1
+    assert "is not the sdist built here" in capsys.readouterr().err
     # an sdist of another version is refused with one line
     other = tmp_path / "mlxspec-0.0.1.tar.gz"
     other.write_bytes(b"old")
     assert update_formula.main(["--formula", str(formula), "--sdist", str(other)]) == 1
     assert "is not the sdist of mlxspec" in capsys.readouterr().err
+
+
+def test_update_formula_says_what_is_wrong_in_one_line(tmp_path, monkeypatch, capsys):
+    sdist = tmp_path / f"mlxspec-{mlxspec.__version__}.tar.gz"
+    sdist.write_bytes(b"x")
+    broken = tmp_path / "broken.rb"
+    broken.write_text("class Mlxspec < Formula\nend\n")
+    assert update_formula.main(["--formula", str(broken), "--sdist", str(sdist)]) == 1
+    assert capsys.readouterr().err.strip() == 'error: the formula has no depends_on "python@X.Y" line'
+
+    def offline(name):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(update_formula, "index_files", offline)
+    assert update_formula.main(["--formula", str(FORMULA), "--sdist", str(sdist)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: cannot read PyPI's index") and "\n" not in err
 
 
 # -- one version, docs ---------------------------------------------------------------------------
