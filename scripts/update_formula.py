@@ -3,6 +3,8 @@
 
     python scripts/update_formula.py            # build the sdist, resolve, rewrite the formula
     python scripts/update_formula.py --check    # the same, but only say whether the formula is current
+    python scripts/update_formula.py --verify   # download every resource, check its sha256, build
+                                                # the sdists the way Homebrew does
 
 Steps: build the sdist (``uv build --sdist``), take its sha256; resolve the runtime dependencies for
 the formula's target (macOS 14+ on arm64, CPython of the formula's ``python@`` dependency) with
@@ -10,12 +12,13 @@ the formula's target (macOS 14+ on arm64, CPython of the formula's ``python@`` d
 are the Mac's, not this machine's; pick each pinned package's file from PyPI's JSON simple index;
 rewrite the formula's url, sha256 and resource blocks. Needs uv (``pip install uv``) and PyPI.
 
-File choice per package, the rule the formula's install method relies on:
-- pure Python: its sdist (homebrew-core's rule: resources are built from source);
-- compiled code: the best macOS arm64 wheel for the target. mlx and mlx-metal publish no sdist at
-  all, and building numpy, tokenizers, pydantic-core ... from source would need Rust, CMake and
-  Xcode at install time. Those resources are fetched with ``using: :nounzip`` and pip-installed
-  as wheel files.
+File choice per package, the rule the formula's install method relies on: the wheel pip itself
+would pick on macOS 14 arm64 with the target Python, pure or compiled, fetched with
+``using: :nounzip`` and pip-installed as a file; an sdist only where no wheel fits. homebrew-core
+builds resources from sdists, but mlx and mlx-metal publish none, numpy, tokenizers,
+pydantic-core ... would need Rust, CMake and Xcode at install time, and even pure-Python sdists
+can need build backends PyPI does not have (filelock 4.2's asks for python-sbom): a wheel installs
+the same bytes on every Mac without building anything.
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
 from packaging.tags import Tag, compatible_tags, cpython_tags, mac_platforms
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
@@ -84,11 +90,6 @@ def target_tags(python: str, macos: str = MACOS) -> list[Tag]:
     return [*cpython_tags((major, minor), [abi], platforms), *compatible_tags((major, minor), abi, platforms)]
 
 
-def _is_pure(filename: str) -> bool:
-    _, _, _, tags = parse_wheel_filename(filename)
-    return all(tag.abi == "none" and tag.platform == "any" for tag in tags)
-
-
 def choose_file(name: str, version: str, files: list[dict], tags: list[Tag]) -> Resource:
     """The file of NAME==VERSION the formula installs, from PyPI simple-index JSON ``files``."""
     rank = {tag: i for i, tag in enumerate(tags)}
@@ -115,13 +116,8 @@ def choose_file(name: str, version: str, files: list[dict], tags: list[Tag]) -> 
         r = min((rank[t] for t in ftags if t in rank), default=None)
         if r is not None and r < best_rank:
             best, best_rank = f, r
-    if best is not None and not _is_pure(best["filename"]):
-        chosen = best  # compiled: the wheel
-    elif sdist is not None:
-        chosen = sdist
-    elif best is not None:
-        chosen = best  # pure, but no sdist published
-    else:
+    chosen = best if best is not None else sdist
+    if chosen is None:
         raise FormulaError(f"{name} {version} has neither an sdist nor a wheel for macOS arm64")
     sha = chosen.get("hashes", {}).get("sha256")
     if not sha:
@@ -155,6 +151,66 @@ def rewrite(text: str, url: str, sha256: str, resources: list[Resource]) -> str:
         raise FormulaError("the formula has no `def install`")
     blocks = "\n".join(r.ruby() for r in sorted(resources, key=lambda r: r.name))
     return text[:anchor] + blocks + "\n" + text[anchor:]
+
+
+_RESOURCE_FIELDS = re.compile(r'^  resource "([^"]+)" do\n    url "([^"]+)"[^\n]*\n    sha256 "([0-9a-f]+)"\n', re.M)
+
+
+def formula_resources(text: str) -> list[tuple[str, str, str]]:
+    """(name, url, sha256) of every resource block, as rewrite() writes them."""
+    return _RESOURCE_FIELDS.findall(text)
+
+
+def target_environment(python: str) -> dict[str, str]:
+    """Marker values of the formula's target: CPython PYTHON on macOS arm64."""
+    env = default_environment()
+    env.update(sys_platform="darwin", platform_system="Darwin", platform_machine="arm64", os_name="posix",
+               implementation_name="cpython", platform_python_implementation="CPython",
+               python_version=python, python_full_version=f"{python}.0")
+    return env
+
+
+def missing_dependencies(roots: list[str], requires: dict[str, list[str]], env: dict) -> list[str]:
+    """'A needs B' for each requirement on the target of ROOTS (the project's own requirements) and
+    of every resource (REQUIRES: name -> its Requires-Dist lines), extras followed, that no
+    resource provides."""
+    extras = {name: set() for name in requires}
+    problems, queue = [], [("mlxspec", line) for line in roots]
+    seen = set()
+    while queue:
+        owner, line = queue.pop()
+        req = Requirement(line)
+        asked = {""} | (extras.get(owner, set()) if owner != "mlxspec" else set())
+        if req.marker is not None and not any(req.marker.evaluate({**env, "extra": e}) for e in asked):
+            continue
+        dep = canonicalize_name(req.name)
+        if dep not in requires:
+            problems.append(f"{owner} needs {req.name}, which has no resource")
+            continue
+        new = {canonicalize_name(e) for e in req.extras} - extras[dep]
+        if dep in seen and not new:
+            continue
+        seen.add(dep)
+        extras[dep] |= new
+        queue.extend((dep, child) for child in requires[dep])
+    return sorted(set(problems))
+
+
+def _requires_dist(path: Path) -> list[str]:
+    """Requires-Dist of a downloaded wheel (its METADATA) or sdist (its PKG-INFO)."""
+    import email.parser
+    import tarfile
+    import zipfile
+
+    if path.name.endswith(".whl"):
+        with zipfile.ZipFile(path) as z:
+            name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+            text = z.read(name).decode("utf-8")
+    else:
+        with tarfile.open(path) as t:
+            member = next(m for m in t.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO"))
+            text = t.extractfile(member).read().decode("utf-8")
+    return email.parser.Parser().parsestr(text, headersonly=True).get_all("Requires-Dist") or []
 
 
 # -- the steps that touch the outside ------------------------------------------------------------
@@ -238,6 +294,50 @@ def release_url(version: str, sha256: str) -> str:
     return SDIST_URL.format(first=PROJECT[0], name=PROJECT, version=version)
 
 
+def download(url: str, dest: Path) -> Path:
+    path = dest / url.rsplit("/", 1)[1]
+    with urllib.request.urlopen(url, timeout=300) as response, open(path, "wb") as f:
+        shutil.copyfileobj(response, f)
+    return path
+
+
+def verify(text: str) -> list[str]:
+    """Problems with the formula's resources: each file downloaded and hashed, every dependency of
+    every resource (from the files' own metadata) present, every sdist built and installed with
+    Homebrew's pip arguments (no deps, no binaries, build isolation) into a scratch venv. Wheels
+    are not installed here: they are macOS arm64 builds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    resources = formula_resources(text)
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        with ThreadPoolExecutor(8) as pool:
+            paths = list(pool.map(lambda r: download(r[1], tmp), resources))
+        sdists, requires = [], {}
+        for (name, url, sha), path in zip(resources, paths):
+            if sha256_of(path) != sha:
+                problems.append(f"{name}: {path.name} does not have the sha256 in the formula")
+                continue
+            requires[name] = _requires_dist(path)
+            if not url.endswith(".whl"):
+                sdists.append(str(path))
+        if not problems:
+            roots = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+            problems += missing_dependencies(roots, requires, target_environment(formula_python(text)))
+        print(f"  {len(resources)} resources downloaded and hashed, their dependencies checked; "
+              f"building {len(sdists)} sdists", file=sys.stderr)
+        if not sdists:
+            return problems
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", f"--python={tmp / 'venv' / 'bin' / 'python'}",
+                               "install", "--no-deps", "--no-binary=:all:", "--ignore-installed",
+                               "--no-compile", *sdists], capture_output=True, text=True)
+        if proc.returncode != 0:
+            problems.append("the sdists do not build: " + (proc.stderr.strip().splitlines() or ["?"])[-1])
+    return problems
+
+
 def package_version() -> str:
     text = (ROOT / "mlxspec" / "__init__.py").read_text(encoding="utf-8")
     m = re.search(r'^__version__ = "([^"]+)"', text, re.M)
@@ -255,7 +355,21 @@ def main(argv: list[str] | None = None) -> int:
                                       "PyPI address, checked against PyPI's sha256 once uploaded)")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 and show the diff if the formula is not current")
+    parser.add_argument("--verify", action="store_true",
+                        help="change nothing; download the formula's resources, check their sha256 "
+                             "and build its sdists as Homebrew would")
     args = parser.parse_args(argv)
+    if args.verify:
+        try:
+            problems = verify(args.formula.read_text(encoding="utf-8"))
+        except (OSError, urllib.error.URLError, subprocess.CalledProcessError) as err:
+            problems = [f"cannot verify: {err}"]
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"{args.formula}: every resource matches its sha256, every dependency of each is a "
+                  "resource, every sdist builds")
+        return 1 if problems else 0
     try:
         text = args.formula.read_text(encoding="utf-8")
         python = formula_python(text)

@@ -207,16 +207,16 @@ def test_choose_file_compiled_gets_the_oldest_fitting_macos_wheel():
     assert file_name(update_formula.choose_file("tokenizers", "0.23.3", abi3, TAGS).url).endswith("abi3-macosx_11_0_arm64.whl")
 
 
-def test_choose_file_pure_python_gets_the_sdist():
+def test_choose_file_pure_python_gets_its_wheel_and_sdist_only_without_one():
     files = [pypi_file("Typer-0.29.2-py3-none-any.whl"), pypi_file("typer-0.29.2.tar.gz")]
     chosen = update_formula.choose_file("typer", "0.29.2", files, TAGS)
-    assert file_name(chosen.url) == "typer-0.29.2.tar.gz" and not chosen.is_wheel
-    # no sdist published: the pure wheel
-    only_wheel = update_formula.choose_file("typer", "0.29.2", files[:1], TAGS)
-    assert only_wheel.is_wheel
-    # a yanked sdist is not used; no file at all is an error
-    yanked = [files[0], pypi_file("typer-0.29.2.tar.gz", yanked=True)]
-    assert update_formula.choose_file("typer", "0.29.2", yanked, TAGS).is_wheel
+    assert file_name(chosen.url) == "Typer-0.29.2-py3-none-any.whl" and chosen.is_wheel
+    assert "using: :nounzip" in chosen.ruby()
+    # no wheel published (or only yanked ones): the sdist
+    sdist_only = update_formula.choose_file("typer", "0.29.2", files[1:], TAGS)
+    assert not sdist_only.is_wheel and "nounzip" not in sdist_only.ruby()
+    yanked = [pypi_file("typer-0.29.2-py3-none-any.whl", yanked=True), files[1]]
+    assert not update_formula.choose_file("typer", "0.29.2", yanked, TAGS).is_wheel
     with pytest.raises(update_formula.FormulaError, match="neither an sdist nor a wheel"):
         update_formula.choose_file("typer", "0.30.0", files, TAGS)
     with pytest.raises(update_formula.FormulaError):  # linux-only wheels do not count
@@ -281,7 +281,7 @@ def test_update_formula_main_end_to_end(tmp_path, monkeypatch, capsys):
     assert f'sha256 "{sha}"' in text
     source_url = f"https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-{mlxspec.__version__}.tar.gz"
     assert f'url "{source_url}"' in text  # not on PyPI yet
-    assert text.count("  resource ") == 2 and "rich-15.0.0.tar.gz" in text
+    assert text.count("  resource ") == 2 and "rich-15.0.0-py3-none-any.whl\", using: :nounzip" in text
     assert update_formula.main([*args, "--check"]) == 0
     assert "is current" in capsys.readouterr().out
     proc = subprocess.run([_ruby(), "-c", str(formula)], capture_output=True, text=True)
@@ -318,6 +318,72 @@ def test_update_formula_says_what_is_wrong_in_one_line(tmp_path, monkeypatch, ca
     assert update_formula.main(["--formula", str(FORMULA), "--sdist", str(sdist)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: cannot read PyPI's index") and "\n" not in err
+
+
+def test_formula_resources_reads_what_ruby_reads(described):
+    parsed = update_formula.formula_resources(FORMULA.read_text())
+    assert parsed == [(r["name"], r["url"], r["sha256"]) for r in described["resources"]]
+
+
+def make_wheel(path: Path, name: str, version: str, requires=()):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        lines = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        lines += [f"Requires-Dist: {r}" for r in requires]
+        z.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(lines) + "\n")
+    return path
+
+
+def make_sdist(path: Path, name: str, version: str, requires=()):
+    import io
+    import tarfile
+
+    text = "\n".join([f"Metadata-Version: 2.2", f"Name: {name}", f"Version: {version}",
+                      *[f"Requires-Dist: {r}" for r in requires]]).encode() + b"\n"
+    with tarfile.open(path, "w:gz") as t:
+        info = tarfile.TarInfo(f"{name}-{version}/PKG-INFO")
+        info.size = len(text)
+        t.addfile(info, io.BytesIO(text))
+    return path
+
+
+def test_missing_dependencies_follows_markers_and_extras():
+    env = update_formula.target_environment("3.13")
+    roots = ["a>=1", "linuxonly; sys_platform == 'linux'"]
+    requires = {"a": ["b[x]", "old; python_version < '3.9'"], "b": ["d; extra == 'x'", "e; extra == 'y'"], "d": []}
+    assert update_formula.missing_dependencies(roots, requires, env) == []
+    del requires["d"]
+    assert update_formula.missing_dependencies(roots, requires, env) == ["b needs d, which has no resource"]
+    requires["d"] = []
+    requires["a"].append("mac-only; sys_platform == 'darwin' and platform_machine == 'arm64'")
+    assert update_formula.missing_dependencies(roots, requires, env) == ["a needs mac-only, which has no resource"]
+    assert update_formula.missing_dependencies(["zzz"], requires, env) == ["mlxspec needs zzz, which has no resource"]
+
+
+def test_requires_dist_from_wheels_and_sdists(tmp_path):
+    wheel = make_wheel(tmp_path / "a-1.0-py3-none-any.whl", "a", "1.0", ["b>=2", "c; extra == 'x'"])
+    sdist = make_sdist(tmp_path / "b-2.0.tar.gz", "b", "2.0", ["d"])
+    assert update_formula._requires_dist(wheel) == ["b>=2", "c; extra == 'x'"]
+    assert update_formula._requires_dist(sdist) == ["d"]
+    assert update_formula._requires_dist(make_sdist(tmp_path / "e-1.0.tar.gz", "e", "1.0")) == []
+
+
+def test_verify_hashes_every_download_and_checks_dependencies(tmp_path, monkeypatch):
+    wheels = {n: make_wheel(tmp_path / f"{n}-1.0-py3-none-any.whl", n, "1.0") for n in ("a", "b")}
+    sha = {n: update_formula.sha256_of(p) for n, p in wheels.items()}
+    formula_text = FORMULA.read_text()
+
+    def formula(hashes, names=("a", "b")):
+        resources = [update_formula.Resource(n, "1.0", wheels[n].as_uri(), hashes[n]) for n in names]
+        return update_formula.rewrite(formula_text, "https://example.invalid/mlxspec-1.0.tar.gz", "f" * 64, resources)
+
+    monkeypatch.setattr(update_formula, "ROOT", tmp_path)  # the project's own requirements: a and b
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "mlxspec"\ndependencies = ["a", "b"]\n')
+    assert update_formula.verify(formula(sha)) == []
+    assert update_formula.verify(formula(dict(sha, b="0" * 64))) == [
+        f"b: {wheels['b'].name} does not have the sha256 in the formula"]
+    assert update_formula.verify(formula(sha, names=("a",))) == ["mlxspec needs b, which has no resource"]
 
 
 # -- one version, docs ---------------------------------------------------------------------------
