@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import complete_model, _help, _note, _stderr_console, _stdout_console, _user_errors, app
+from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app, complete_model
 from .config import user_config_path
 from .errors import MlxspecError, UsageError
 
@@ -229,7 +229,8 @@ def _pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
 @app.command(help=PULL_HELP)
 def pull(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False, autocompletion=complete_model, help="Repo id (org/name) or catalog alias.")],
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
+        help="Repo id (org/name) or catalog alias.")],
     revision: Annotated[Optional[str], typer.Option(
         "--revision", help="Branch, tag or commit to download (default: main).", show_default=False)] = None,
     include_mtp: Annotated[bool, typer.Option(
@@ -296,7 +297,8 @@ def list_models(
 @app.command(name="rm")
 def remove_model(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False, autocompletion=complete_model, help="Cached repo id or catalog alias.")],
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
+        help="Cached repo id or catalog alias.")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Remove MODEL (every cached revision) from the Hugging Face cache."""
