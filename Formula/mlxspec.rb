@@ -5,7 +5,7 @@ class Mlxspec < Formula
   homepage "https://pypi.org/project/mlxspec/"
   # Rewritten for each release by scripts/update_formula.py (url, sha256 and every resource)
   url "https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-0.1.0.tar.gz"
-  sha256 "ebc813faf0a8353424bf787ae6f8c337a57814e4d4d23a624f7f2df2122a74bf"
+  sha256 "62fda1d93b7f1b8ab215a08fc97d1768bc0f3e33e777e421a39a1718f615d437"
   license "MIT"
 
   depends_on arch: :arm64
