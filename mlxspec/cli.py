@@ -74,7 +74,9 @@ def complete_drafter(incomplete: str) -> list[str]:
 
 
 def complete_reasoning(incomplete: str) -> list[str]:
-    return [mode for mode in ("on", "off", "auto") if mode.startswith(incomplete)]
+    from .reasoning import MODES
+
+    return [mode for mode in MODES if mode.startswith(incomplete)]
 
 
 def _help(text: str) -> str:
