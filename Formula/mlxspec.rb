@@ -5,7 +5,7 @@ class Mlxspec < Formula
   homepage "https://pypi.org/project/mlxspec/"
   # Rewritten for each release by scripts/update_formula.py (url, sha256 and every resource)
   url "https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-0.1.0.tar.gz"
-  sha256 "62fda1d93b7f1b8ab215a08fc97d1768bc0f3e33e777e421a39a1718f615d437"
+  sha256 "8fe081777c72154d6d42ea7d5ab807ebe74b60741704d3464895394ff8e6ec67"
   license "MIT"
 
   depends_on arch: :arm64
