@@ -89,6 +89,14 @@ def sweep_document(sweep: dict) -> dict:
     return {"schema": SCHEMA, "kind": "sweep", "environment": environment(), "sweep": sweep}
 
 
+def real_shapes_document(result: dict) -> dict:
+    """``bench --real-shapes``: ``device``, ``mlx`` and ``cells`` at the top for scripts."""
+    env = environment()
+    name = env["device_info"].get("device_name") or env["device"]
+    return {"schema": SCHEMA, "kind": "real_shapes", "device": name, "mlx": env["mlx"],
+            "cells": result["cells"], "environment": env, "real_shapes": result}
+
+
 def chat_document(models: list[dict], config: dict) -> dict:
     """The JSON of ``bench --chat``: the plan (config) and, per model, every run and the
     per-turn medians (:func:`mlxspec.bench_chat.run_chat`)."""
@@ -109,7 +117,7 @@ def read_json(path: str) -> dict:
         raise UsageError(f"--from-json: no file '{path}'") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MlxspecError(f"--from-json: '{path}' is not a bench JSON file ({err})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep", "chat"):
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep", "chat", "real_shapes"):
         raise MlxspecError(f"--from-json: '{path}' was not written by `mlxspec bench --json` ({SCHEMA})")
     return doc
 
@@ -204,6 +212,12 @@ def render(doc: dict, console) -> None:
         for m in doc["chat"]["models"]:
             console.print(chat_table(doc, m))
         return
+    if doc["kind"] == "real_shapes":
+        from .bench_real import real_shapes_table
+
+        for shape in dict.fromkeys(c["shape"] for c in doc["cells"]):
+            console.print(real_shapes_table(doc, shape))
+        return
     for p in doc["passes"]:
         console.print(pass_table(doc, p))
 
@@ -254,11 +268,22 @@ def write_chart(docs: list[dict], path: str) -> None:
     from .bench_chat import chat_chart
     from .bench_sweep import sweep_chart
 
-    panels = [(doc, p) for doc in docs for p in (doc["passes"] if doc["kind"] == "bench" else [None])]
+    def parts(doc):
+        if doc["kind"] == "bench":
+            return doc["passes"]
+        if doc["kind"] == "real_shapes":
+            return list(dict.fromkeys(c["shape"] for c in doc["cells"]))
+        return [None]
+
+    panels = [(doc, p) for doc in docs for p in parts(doc)]
     fig = Figure(figsize=(10, 3.8 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (doc, p) in zip(axes, panels):
-        if doc["kind"] == "chat":
+        if doc["kind"] == "real_shapes":
+            from .bench_real import real_shapes_chart
+
+            real_shapes_chart(doc, p, ax)
+        elif doc["kind"] == "chat":
             chat_chart(doc["chat"], ax, doc["environment"].get("device"))
         elif p is None:
             sweep_chart(doc["sweep"], ax, doc["environment"].get("device"))

@@ -45,6 +45,16 @@ cache (fed by the earlier turns, as a server's is), and mlx-lm's generate_step. 
 turn, median over --reps conversations (each with a fresh cache): prompt and cached tokens,
 time to first token of each, the speedup of reuse, and whether the tokens are identical.
 
+--real-shapes: the engines on random-weight models of real shapes (quantized to --bits), whose
+target logits are replaced after each real forward by a scripted continuation, so the output
+is known in advance and checked token for token. Workloads (--workloads): echo (spans of the
+prompt with an edit every ~25 tokens), novel (tokens absent from the prompt), scripted-aA (the
+drafters' proposals follow the script, each token right with probability A). Engines: mlx-lm
+plain and with a draft model (dense only), mlxspec none / pld / mtp (a random head of the real
+layout) / draft (a random Qwen3-0.6B-shaped model), with their own gates and depth, plus
+forced depths at full acceptance for the ideal curve. Per cell: tok/s, speedup over mlx-lm,
+the ideal speedup from the measured forward costs, achieved/ideal, acceptance, tokens per step.
+
 --from-json redraws the tables (and --png) from saved results without running anything.
 """)
 
@@ -187,6 +197,14 @@ def bench(
         "--drafter", metavar="NAME", show_default=False,
         help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, draft "
              "(with --draft-model), auto.")] = None,
+    real_shapes: Annotated[Optional[str], typer.Option(
+        "--real-shapes", metavar="SHAPES", show_default=False,
+        help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
+             "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b and smoke-moe); 'all' is "
+             "qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. Default --reps 5, --max-tokens 128, "
+             "--workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")] = None,
+    prompt_tokens: Annotated[int, typer.Option(
+        "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")] = 512,
     kernels_off: Annotated[bool, typer.Option(
         "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
              "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
@@ -221,6 +239,26 @@ def bench(
             _check(sweep is None, "--chat and --sweep are two benchmarks: give one")
             _run_chat(model, draft_model, chat_shapes, chat_turns, chat_context, chat_user_tokens,
                       drafter, max_tokens, reps, bits, dtype, json_path, png_path)
+            return
+        if real_shapes is not None:
+            _check(sweep is None, "--real-shapes and --sweep are two benchmarks: give one")
+            _check(model is None and draft_model is None,
+                   "--real-shapes builds its own random models: give no MODEL or --draft-model")
+            _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+            from .bench import parse_list
+            from .bench_real import WORKLOADS, parse_shapes, run_real_shapes
+            from .bench_report import real_shapes_document
+
+            shapes = parse_shapes(real_shapes)
+            chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
+            with _progress("real shapes") as on_step:
+                result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens,
+                                         max_tokens=max_tokens or 128, reps=reps or 5, workloads=chosen,
+                                         temperature=temperature if temp_pass else None, seed=seed,
+                                         on_step=on_step)
+            _outputs([real_shapes_document(result)], json_path, png_path)
+            if not all(c["identical"] for c in result["cells"]):
+                _note("note: some cell's tokens differ from the script (column identical)")
             return
         if sweep is not None:
             _check(model is None and draft_model is None,

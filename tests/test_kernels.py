@@ -4,6 +4,9 @@
   ``mx.fast.cuda_kernel`` generates (skipped without nvcc): a typo fails here, not on the GPU.
 - Off CUDA, or with MLXSPEC_KERNELS=0, nothing changes: mlx-lm's and MLX's paths run.
 - The small-M layer swap keeps outputs and follows the timing decision.
+- Verify attention: off CUDA it is mlx-lm's function bit for bit; install() rebinds the modules
+  a model's attention comes from; the dispatch sends exactly 2..16-row float attention with a
+  supported mask to the kernel.
 The kernels' numbers are checked on the GPU machine: tests/test_kernels_gpu.py.
 """
 
@@ -17,15 +20,22 @@ import pytest
 from mlx_lm.models import gated_delta
 
 from mlxspec import kernels
-from mlxspec.kernels import gdn, gdn_grad, qmm
+from mlxspec.kernels import attention, gdn, gdn_grad, qmm
 
 _CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half",
                mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
 
 
 def _wrap(name, source, inputs, outputs, template) -> str:
-    """The __global__ function MLX's CUDA custom_kernel builds around a source body."""
-    args = [f"const {_CUDA_TYPES[t]}* {n}" for n, t in inputs] + [f"{_CUDA_TYPES[t]}* {n}" for n, t in outputs]
+    """The __global__ function MLX's CUDA custom_kernel builds around a source body: each input's
+    pointer, then its shape, strides and ndim where the source names them (``x_shape``...)."""
+    args = []
+    for n, t in inputs:
+        args.append(f"const {_CUDA_TYPES[t]}* {n}")
+        args += [f"const __grid_constant__ {kind} {n}_{suffix}"
+                 for kind, suffix in (("Shape", "shape"), ("Strides", "strides"), ("int", "ndim"))
+                 if f"{n}_{suffix}" in source]
+    args += [f"{_CUDA_TYPES[t]}* {n}" for n, t in outputs]
     consts = []
     for n, v in template:
         if isinstance(v, bool):
@@ -35,6 +45,48 @@ def _wrap(name, source, inputs, outputs, template) -> str:
         else:
             consts.append(f"using {n} = {_CUDA_TYPES[v]};")
     return (f"__global__ void {name}({', '.join(args)}) {{\n" + "\n".join(consts) + source + "\n}\n")
+
+
+# What MLX's JIT prelude (mlx/backend/cuda/device/utils.cuh and custom_kernel.cpp's default
+# header) gives a kernel that the sources use: Shape / Strides (MAX_NDIM 10) and the `inf` macro.
+_PRELUDE = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+#define inf cuda::std::numeric_limits<float>::infinity()
+"""
+
+
+def _attention_units() -> list[str]:
+    """Every attention kernel variant: head sizes, float types, mask kinds (additive masks in
+    the queries' type and in float32)."""
+    units = []
+    for D in attention.HEAD_DIMS:
+        for dtype in attention.DTYPES:
+            tname = _CUDA_TYPES[dtype].strip("_")
+            for kind in attention.MASK_KINDS:
+                mask_types = {"bool": [mx.bool_], "add": [dtype, mx.float32]}.get(kind, [None])
+                for mtype in dict.fromkeys(mask_types):
+                    inputs = [("queries", dtype), ("keys", dtype), ("values", dtype), ("scale", mx.float32)]
+                    template = [("T", dtype), ("D", D), ("NW", attention.WARPS), ("QPW", attention.QUERIES_PER_WARP)]
+                    if mtype is not None:
+                        inputs.append(("mask", mtype))
+                    if kind == "add":
+                        template.append(("MaskT", mtype))
+                    assert [n for n, _ in inputs] == attention.partial_inputs(kind)
+                    units.append(_wrap(f"attn_{kind}_{tname}_{D}_{_CUDA_TYPES[mtype or dtype].strip('_')}",
+                                       attention.partial_source(kind), inputs,
+                                       [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
+                                       template))
+            units.append(_wrap(f"attn_combine_{tname}_{D}", attention._COMBINE,
+                               [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
+                               [("out", dtype)], [("T", dtype), ("D", D)]))
+    return units
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -59,9 +111,12 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
                                [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype), ("dims", mx.int32)],
                                [("y", dtype)], [("Bits", bits), ("MaxM", 8), ("Cols", qmm.COLS), ("InT", dtype)]))
     cu = tmp_path / "kernels.cu"
-    cu.write_text("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n#include <cstdint>\n" + qmm._HEADER
+    units += _attention_units()
+    cu.write_text(_PRELUDE + qmm._HEADER + attention._HEADER
                   + "namespace mlx::core::cu {\n" + "\n".join(units) + "}\n")
-    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-o", str(tmp_path / "k.ptx"), str(cu)],
+    # -O0: the front end's checks are the point, and optimizing ~50 variants takes seconds
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-Xcicc", "-O0",
+                           "-o", str(tmp_path / "k.ptx"), str(cu)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -69,12 +124,12 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
 def test_kernels_are_off_without_cuda_or_when_switched_off(monkeypatch):
     if not kernels.cuda():
         assert not kernels.active()
-        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0}
+        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
     monkeypatch.setattr(kernels, "cuda", lambda: True)
     assert kernels.active()
     monkeypatch.setenv(kernels.ENV, "0")
     assert not kernels.active()
-    assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0}
+    assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
 
 
 def test_gated_delta_update_is_mlx_lms_off_cuda():
@@ -161,3 +216,165 @@ def test_sweep_kernels_off_needs_cuda(monkeypatch):
     monkeypatch.setattr(kernels, "cuda", lambda: False)
     done = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--kernels-off"])
     assert done.exit_code == 2 and "not running MLX's CUDA backend" in done.output
+
+
+# --- verify attention -------------------------------------------------------------------------
+
+def _qkv(B=1, Hq=8, Hkv=2, L=4, S=40, D=64, dtype=mx.float32, seed=0):
+    """Queries in mlx-lm's layout (a transposed view) and K/V as a KVCache hands them out
+    (views of its 256-step buffer) after a prefill and one more step."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    q = mx.random.normal((B, L, Hq, D)).astype(dtype).transpose(0, 2, 1, 3)
+    cache = KVCache()
+    for n in (S - L, L):
+        if n:
+            k, v = cache.update_and_fetch(mx.random.normal((B, Hkv, n, D)).astype(dtype),
+                                          mx.random.normal((B, Hkv, n, D)).astype(dtype))
+    return q, k, v, cache
+
+
+def _masks(B, Hq, L, S, dtype=mx.float32):
+    from mlx_lm.models.base import create_causal_mask
+
+    window = create_causal_mask(L, S - L, window_size=max(2, S // 3))  # a sliding window, [L, S]
+    return {"none": None, "causal": "causal", "bool": window,
+            "add": mx.where(window, 0.0, -float("inf")).astype(dtype),
+            "batch": mx.broadcast_to(window, (B, 1, L, S))}
+
+
+@pytest.mark.parametrize("L,Hkv,D", [(1, 2, 64), (4, 2, 64), (4, 8, 128), (16, 1, 256), (17, 2, 64)])
+def test_attention_is_mlx_lms_off_cuda_or_switched_off(monkeypatch, L, Hkv, D):
+    from mlx_lm.models import base
+
+    q, k, v, cache = _qkv(Hkv=Hkv, L=L, D=D)
+    for name, mask in _masks(1, 8, L, k.shape[2]).items():
+        want = base.scaled_dot_product_attention(q, k, v, cache, scale=D**-0.5, mask=mask)
+        for env in (None, "0"):
+            if env is None and kernels.cuda():
+                continue  # on CUDA the kernel runs: tests/test_kernels_gpu.py
+            if env is not None:
+                monkeypatch.setenv(kernels.ENV, env)
+                monkeypatch.setattr(kernels, "cuda", lambda: True)
+            got = attention.scaled_dot_product_attention(q, k, v, cache, scale=D**-0.5, mask=mask)
+            assert mx.array_equal(got, want), (name, env)
+
+
+def test_attention_dispatch(monkeypatch):
+    from mlx_lm.models.base import scaled_dot_product_attention as mlx_lm_sdpa
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    calls = []
+
+    def recorder(q, k, v, scale, mask):
+        calls.append((q.shape[2], q.shape[3], mask if isinstance(mask, (str, type(None))) else mask.dtype))
+        return mx.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(attention, "active", lambda: True)
+    monkeypatch.setattr(attention, "verify_attention", recorder)
+    sdpa = attention.scaled_dot_product_attention
+
+    def falls_back(q, k, v, cache, mask=None, sinks=None):
+        before = len(calls)
+        # each its own queries: mlx-lm's quantized path scales them in place (queries *= scale)
+        got = sdpa(mx.array(q), k, v, cache, scale=0.125, mask=mask, sinks=sinks)
+        want = mlx_lm_sdpa(mx.array(q), k, v, cache, scale=0.125, mask=mask, sinks=sinks)
+        return len(calls) == before and mx.array_equal(got, want)
+
+    for L in (1, 17):
+        q, k, v, cache = _qkv(L=L)
+        assert falls_back(q, k, v, cache, mask=None if L == 1 else "causal"), L
+    q, k, v, cache = _qkv(L=4)
+    assert falls_back(q, k, v, cache, mask="causal", sinks=mx.zeros((8,)))
+    assert falls_back(q[..., :48], k[..., :48], v[..., :48], cache, mask="causal")  # D = 48
+    q96, k96, v96, cache96 = _qkv(L=4, D=96)
+    assert falls_back(q96, k96, v96, cache96, mask="causal")
+    assert falls_back(q, k.astype(mx.float16), v.astype(mx.float16), cache, mask="causal")  # mixed types
+    assert falls_back(q, k, v, cache, mask=mx.zeros((4, k.shape[2]), mx.int32))  # not bool nor float
+    with pytest.raises(ValueError):  # not broadcastable: MLX's error, not the kernel's
+        sdpa(q, k, v, cache, scale=0.125, mask=mx.ones((3, k.shape[2]), mx.bool_))
+    qcache = QuantizedKVCache(group_size=32, bits=8)
+    qk, qv = qcache.update_and_fetch(k, v)
+    assert falls_back(q, qk, qv, qcache, mask="causal")
+    assert calls == []
+
+    for L in range(2, 17):
+        q, k, v, cache = _qkv(L=L, S=L + 20)
+        for name, mask in _masks(1, 8, L, k.shape[2]).items():
+            assert sdpa(q, k, v, cache, scale=0.125, mask=mask).shape == q.shape
+    assert len(calls) == 15 * 5
+    assert {c[0] for c in calls} == set(range(2, 17))
+    assert {c[2] for c in calls} == {None, "causal", mx.bool_, mx.float32}
+    monkeypatch.setattr(attention, "active", lambda: False)
+    q, k, v, cache = _qkv(L=4)
+    assert falls_back(q, k, v, cache, mask="causal")
+
+
+def test_attention_chunks_cover_the_keys_once():
+    for S in (1, 2, 31, 32, 33, 300, 512, 1000, 2049, 8191, 40000):
+        for per_chunk in (1, 8, 24, 96, 264, 1000):
+            n = attention.chunks(S, per_chunk)
+            length = -(-(-(-S // n)) // attention.TILE) * attention.TILE  # as the kernel computes it
+            assert n * length >= S and (n - 1) * length < S, (S, per_chunk)
+            assert n == 1 or n * per_chunk <= attention.TARGET_BLOCKS + per_chunk
+
+
+def _tiny_qwen3():
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                           vocab_size=128, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def _verify_logits(model):
+    """Logits of a 4-token step after a 20-token prefill: the verify path."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.arange(20)[None] % 128, cache=cache)
+    return model(mx.array([[3, 1, 4, 1]]), cache=cache)
+
+
+def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch):
+    from mlx_lm.models import llama, qwen3, qwen3_5, qwen3_next
+
+    for module in (qwen3, qwen3_next, llama):
+        monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+    model = _tiny_qwen3()
+    before = _verify_logits(model)
+    assert attention.install(model) == 1
+    assert qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    assert qwen3_next.scaled_dot_product_attention is not attention.scaled_dot_product_attention
+    assert attention.install(model) == 1  # again: still the one module
+    assert mx.array_equal(_verify_logits(model), before)
+
+    # through kernels.install, as a loaded model gets it where the kernels are active
+    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", attention._mlx_lm_sdpa)
+    for module in (qwen3_5, qwen3_next):
+        monkeypatch.setattr(module, "gated_delta_update", module.gated_delta_update)
+    monkeypatch.setattr(kernels, "active", lambda: True)
+    assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "attention_modules": 1}
+    assert qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention
+
+    # a Qwen3.5 hybrid's full-attention layers come from qwen3_next; llama's from llama
+    hybrid = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=dict(
+        model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, full_attention_interval=2, rms_norm_eps=1e-6, vocab_size=128,
+        tie_word_embeddings=False, rope_parameters={"type": "default", "rope_theta": 1e6,
+                                                    "partial_rotary_factor": 0.25})))
+    assert attention.install(hybrid) == 1
+    assert qwen3_next.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    tiny_llama = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1,
+                                             intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-6,
+                                             vocab_size=128, num_key_value_heads=2))
+    assert attention.install(tiny_llama) == 1
+    assert llama.scaled_dot_product_attention is attention.scaled_dot_product_attention
+    assert attention.install(nn.Linear(4, 4)) == 0

@@ -11,8 +11,19 @@ sources compile, and that the fallback is mlx-lm's path).
   1..8 rows, float32 and bfloat16.
 - On the trained mini-hybrid model, kernels on and off give the same greedy text, and
   temperature-0 speculation with the kernels is plain decoding with them (float32).
+- Verify attention equals a float64 NumPy reference (float32 to 1e-4; bf16/fp16 to 1e-2) and
+  ``mx.fast.scaled_dot_product_attention`` (2e-3 in float32, where MLX's matmuls may run TF32;
+  2e-2 in bf16/fp16) for 2..16 query rows, head sizes 64/128/256, GQA 1/4/6/8, key lengths
+  from L to 2049, masks None / "causal" / a sliding-window bool mask / an additive one / a
+  batch's [B, 1, L, S] padding mask, with K/V the strided views a KVCache hands out (also a
+  transposed and a misaligned layout, read element by element). Fully masked rows give the
+  values' mean (bool) or zeros (all -inf), never NaN. A step costs the same at every key
+  length (no per-shape rebuild), and a qwen3 model's 4-token step over a cache gives the same
+  logits with the kernel as with MLXSPEC_KERNELS=0.
 """
 
+import statistics
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +33,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from mlxspec import kernels
-from mlxspec.kernels import gdn, qmm
+from mlxspec.kernels import attention, gdn, qmm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda(), reason="needs MLX's CUDA backend")]
@@ -187,3 +198,189 @@ def test_mini_hybrid_speculates_exactly_with_the_kernels(monkeypatch):
         assert stats.drafted > 0
     monkeypatch.setenv(kernels.ENV, "0")
     assert greedy() == with_kernels
+
+
+# --- verify attention -------------------------------------------------------------------------
+
+def _attn_inputs(B, Hq, Hkv, L, S, D, dtype, seed=0):
+    """Queries as mlx-lm makes them (a transposed view), K/V as a KVCache returns them after a
+    prefill and two more steps (views of its 256-step buffer)."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    q = mx.random.normal((B, L, Hq, D)).astype(dtype).transpose(0, 2, 1, 3)
+    cache = KVCache()
+    rest = S - L
+    for n in (rest - rest // 3, rest // 3, L):
+        if n:
+            k, v = cache.update_and_fetch(mx.random.normal((B, Hkv, n, D)).astype(dtype),
+                                          mx.random.normal((B, Hkv, n, D)).astype(dtype))
+    mx.eval(q, k, v)
+    return q, k, v
+
+
+def _attn_mask(kind, B, L, S, dtype):
+    from mlx_lm.models.base import create_causal_mask
+
+    if kind in (None, "causal"):
+        return kind
+    window = create_causal_mask(L, S - L, window_size=max(L, S // 2))  # sliding window, [L, S]
+    if kind == "bool":
+        return window
+    if kind == "add":
+        return mx.where(window, 0.0, -float("inf")).astype(dtype)
+    if kind == "padded":  # BatchKVCache's: [B, 1, L, S], each row's left padding masked
+        return create_causal_mask(L, S - L, left_padding=mx.array([0, 3] * (B // 2) + [0] * (B % 2)))
+    raise KeyError(kind)
+
+
+def _attn_reference(q, k, v, scale, mask):
+    """float64 NumPy: masked scores are finfo.min like MLX's reference path (a fully masked
+    row is the values' mean)."""
+    q, k, v = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (q, k, v))
+    L, S = q.shape[2], k.shape[2]
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = np.einsum("bhld,bhsd->bhls", q * scale, k)
+    if isinstance(mask, str):
+        s = np.where(np.arange(S)[None] <= (S - L + np.arange(L))[:, None], s, -3.4e38)
+    elif mask is not None and mask.dtype == mx.bool_:
+        s = np.where(np.array(mask), s, -3.4e38)
+    elif mask is not None:
+        s = s + np.array(mask.astype(mx.float32)).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # a row all -inf: NaN here (callers skip it)
+        s = s - s.max(-1, keepdims=True)
+        p = np.exp(s)
+        return mx.array((p / p.sum(-1, keepdims=True)) @ v)
+
+
+ATTN_TOL = {mx.float32: (1e-4, 2e-3), mx.bfloat16: (1e-2, 2e-2), mx.float16: (1e-2, 2e-2)}
+
+
+def _check_attention(B, Hq, Hkv, L, S, D, dtype, kind):
+    q, k, v = _attn_inputs(B, Hq, Hkv, L, S, D, dtype)
+    mask = _attn_mask(kind, B, L, S, dtype)
+    scale = D**-0.5
+    got = attention.verify_attention(q, k, v, scale, mask)
+    assert got.shape == q.shape and got.dtype == dtype
+    assert not np.isnan(np.array(got.astype(mx.float32))).any()
+    tol_ref, tol_mlx = ATTN_TOL[dtype]
+    _close(got, _attn_reference(q, k, v, scale, mask), tol_ref)
+    _close(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), tol_mlx)
+    # and through the dispatcher mlx-lm's models call
+    via = attention.scaled_dot_product_attention(q, k, v, None, scale=scale, mask=mask)
+    assert mx.array_equal(via, got)
+
+
+@pytest.mark.parametrize("kind", [None, "causal", "bool", "add"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("L", [2, 4, 9, 16])
+def test_verify_attention_rows_heads_masks(L, D, kind):
+    _check_attention(1, 16, 4, L, 300, D, mx.bfloat16, kind)
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool", "add"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("L", [4, 16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_verify_attention_float_types(dtype, L, D, kind):
+    _check_attention(1, 8, 2, L, 37, D, dtype, kind)
+
+
+@pytest.mark.parametrize("S", ["L", 37, 300, 2049])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 8), (32, 8), (24, 4), (64, 8)])  # GQA 1, 4, 6, 8
+def test_verify_attention_gqa_and_key_lengths(Hq, Hkv, S):
+    for L, D in ((4, 128), (16, 256)):  # 16 rows x 8 heads: several query tiles
+        _check_attention(1, Hq, Hkv, L, L if S == "L" else S, D, mx.bfloat16, "causal")
+
+
+@pytest.mark.parametrize("kind", ["padded", "causal", "add"])
+def test_verify_attention_batch(kind):
+    _check_attention(3, 8, 2, 5, 70, 128, mx.bfloat16, kind)
+
+
+def test_verify_attention_reads_any_kv_layout():
+    mx.random.seed(1)
+    B, Hq, Hkv, L, S, D = 1, 8, 2, 4, 100, 64
+    layouts = {  # K and V made in their dtype, then viewed: the kernel gets the views as they are
+        "contiguous": lambda dt: mx.random.normal((B, Hkv, S, D)).astype(dt),
+        "transposed": lambda dt: mx.random.normal((B, Hkv, D, S)).astype(dt).swapaxes(-1, -2),  # dims S apart
+        "misaligned": lambda dt: mx.random.normal((B, Hkv, S, D + 1)).astype(dt)[..., 1:],  # offset 1 element
+        "broadcast": lambda dt: mx.broadcast_to(mx.random.normal((B, 1, S, D)).astype(dt), (B, Hkv, S, D)),
+    }
+    for dtype in (mx.float32, mx.bfloat16):
+        q = mx.random.normal((B, Hq, L, D)).astype(dtype)
+        for name, make in layouts.items():
+            k, v = make(dtype), make(dtype)
+            mx.eval(q, k, v)
+            got = attention.verify_attention(q, k, v, D**-0.5, "causal")
+            _close(got, _attn_reference(q, k, v, D**-0.5, "causal"), ATTN_TOL[dtype][0])
+
+
+def test_verify_attention_fully_masked_rows_are_not_nan():
+    q, k, v = _attn_inputs(1, 4, 2, 3, 90, 64, mx.float32)
+    keep = mx.ones((3, 90), mx.bool_)
+    keep[1] = False
+    got = attention.verify_attention(q, k, v, 0.125, keep)
+    _close(got, _attn_reference(q, k, v, 0.125, keep), 1e-4)
+    _close(got[:, :, 1], mx.broadcast_to(mx.repeat(v, 2, axis=1).mean(axis=2), (1, 4, 64)), 1e-4)
+    additive = mx.where(keep, 0.0, -float("inf"))
+    got = attention.verify_attention(q, k, v, 0.125, additive)
+    assert not np.isnan(np.array(got)).any() and not np.array(got[:, :, 1]).any()  # zeros
+    _close(got[:, :, ::2], _attn_reference(q, k, v, 0.125, additive)[:, :, ::2], 1e-4)
+
+
+def test_verify_attention_costs_the_same_at_every_key_length():
+    """A generation-like run: the cache grows by 4 each step. MLX's own attention rebuilds its
+    graph at each new length (tens of ms); the kernel's launch does not depend on it."""
+    from mlx_lm.models.cache import KVCache
+
+    B, Hq, Hkv, D, L = 1, 32, 8, 128, 4
+    cache = KVCache()
+    cache.update_and_fetch(mx.random.normal((B, Hkv, 512, D)).astype(mx.bfloat16),
+                           mx.random.normal((B, Hkv, 512, D)).astype(mx.bfloat16))
+    times = []
+    for _ in range(30):
+        k, v = cache.update_and_fetch(mx.random.normal((B, Hkv, L, D)).astype(mx.bfloat16),
+                                      mx.random.normal((B, Hkv, L, D)).astype(mx.bfloat16))
+        q = mx.random.normal((B, Hq, L, D)).astype(mx.bfloat16)
+        mx.eval(q, k, v)
+        t0 = time.perf_counter()
+        mx.eval(attention.verify_attention(q, k, v, D**-0.5, "causal"))
+        times.append(time.perf_counter() - t0)
+    assert statistics.median(times[5:]) < 0.005, times  # the first call compiles
+    _close(attention.verify_attention(q, k, v, D**-0.5, "causal"),
+           _attn_reference(q, k, v, D**-0.5, "causal"), 1e-2)
+
+
+def test_qwen3_verify_step_matches_with_the_attention_kernel(monkeypatch):
+    from mlx_lm.models import qwen3
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", qwen3.scaled_dot_product_attention)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=512, num_hidden_layers=2, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                           vocab_size=1000, max_position_embeddings=4096, rope_theta=1e6,
+                           tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    _fp32(model)
+    mx.eval(model.parameters())
+    assert attention.install(model) == 1
+    calls = []
+    kernel = attention.verify_attention
+    monkeypatch.setattr(attention, "verify_attention", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    prompt = mx.random.randint(0, 1000, (1, 300))
+
+    def verify_step():
+        cache = make_prompt_cache(model)
+        model(prompt, cache=cache)  # 300 rows: mlx-lm's path either way
+        return model(mx.array([[5, 6, 7, 8]]), cache=cache)
+
+    on = verify_step()
+    mx.eval(on)
+    assert calls == [(1, 8, 4, 128)] * 2  # both layers' 4-row attention ran the kernel
+    monkeypatch.setenv(kernels.ENV, "0")
+    off = verify_step()
+    assert len(calls) == 2
+    _close(on, off, 2e-3)

@@ -190,17 +190,19 @@ class ModelState:
             return None
         return mx.concatenate(hidden) if hidden else None
 
-    def forward(self, tokens: mx.array, rollback: bool = True) -> mx.array:
-        """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone."""
+    def forward(self, tokens: mx.array, rollback: bool = True, whole: bool = False) -> mx.array:
+        """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone;
+        ``whole``: it is undone whole or not at all (a queued verify)."""
         if rollback:
             n = tokens.shape[0]
             arrays = [list(c.cache) for c in self._arrays] if self._arrays else None
-            # A multi-token write to a ring concatenates (its tail can be cut); a 1-token write
-            # to a full ring overwrites in place, so keep what it overwrites.
+            # A multi-token write to a ring concatenates (its tail can be cut, as long as one
+            # new token stays: the ring keeps max_size - 1 old ones); a 1-token write to a full
+            # ring overwrites in place. Keep the ring where a cut could not restore it.
             rings = {
                 i: _save_ring(c)
                 for i, c in enumerate(self._rotating)
-                if n == 1 and c.keys is not None and c.offset + 1 >= c.max_size
+                if (n == 1 or whole) and c.keys is not None and c.offset + n >= c.max_size
             }
             seg = _Segment(self.length, tokens, arrays, rings or None)
             self._segments.append(seg)
@@ -231,15 +233,19 @@ class ModelState:
         restore_caches(self.cache, snap, length)
         self.length = length
 
-    def commit(self) -> None:
-        """Everything fed so far is final: drop rollback records."""
-        self._segments.clear()
+    def commit(self, upto: int | None = None) -> None:
+        """Everything fed so far (or up to ``upto`` tokens) is final: drop those rollback
+        records. A forward queued past ``upto`` stays undoable."""
+        if upto is None:
+            self._segments.clear()
+        else:
+            self._segments = [seg for seg in self._segments if seg.end > upto]
 
     # -- rollback -----------------------------------------------------------
     def rollback_to(self, length: int) -> None:
         """Make the cache hold exactly its first ``length`` tokens (length >= last commit)."""
         undone = [seg for seg in self._segments if seg.end > length]
-        self._segments.clear()
+        self._segments = [seg for seg in self._segments if seg.end <= length]
         if length >= self.length:
             return
         if not self._arrays and not any(seg.rings for seg in undone):

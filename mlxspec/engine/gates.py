@@ -210,3 +210,25 @@ class ShadowDrafts:
 
     def reset(self) -> None:
         self.proposal = []
+
+
+class AheadGate:
+    """Whether to queue the next verify before the current one is read (pipelining).
+
+    A queued verify guesses that every draft is accepted and what the target and the drafter
+    say next; a wrong guess wastes that forward on the GPU. The guess is checked on every
+    step, queued or not, so the hit rate is known for free; queue only while it is high.
+    """
+
+    ON_AT = 0.7  # a miss costs a verify, a hit saves the host's share of one
+    DECAY = 0.8
+
+    def __init__(self):
+        self.rate = 0.0
+
+    def observe(self, hit: bool) -> None:
+        self.rate = self.DECAY * self.rate + (1.0 - self.DECAY) * float(hit)
+
+    @property
+    def on(self) -> bool:
+        return self.rate >= self.ON_AT

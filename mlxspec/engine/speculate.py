@@ -9,6 +9,7 @@ nothing over ``mlx_lm.stream_generate``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -22,12 +23,24 @@ from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.mtp import MTPDrafter
 from .drafters.pld import PromptLookupDrafter, repetition_score
-from .gates import CostModel, ShadowDrafts, SpeculationGate
+from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
 
 DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4}
+
+
+@dataclass
+class _Guess:
+    """The next verify as guessed before the current one is read: every draft accepted, the
+    target's next token ``bonus``, then the drafter's ``drafts``. ``logprobs`` is set when
+    that verify was queued on the device (a forward at cache length ``start``)."""
+
+    start: int
+    bonus: int
+    drafts: list[int]
+    logprobs: mx.array | None = None
 
 
 def make_drafter(
@@ -143,6 +156,9 @@ class _Run:
             self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
             if not self.drafter.uses_model:
                 self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
+        # Pipelining: host drafters can guess the next verify before this one is read
+        self.ahead = AheadGate() if self.drafter is not None and not self.drafter.uses_model else None
+        self.guess: _Guess | None = None
         self.emitted = 0
         self.done = False
         self.t_first = self.t0
@@ -200,11 +216,14 @@ class _Run:
                 if draft is not None:
                     new = self._speculative_step(draft)
                 else:
+                    self._settle_guess(None)
                     new, pending = self._plain_step(pending, remaining)
                 yield self._emit(new), self.stats
         except GeneratorExit:  # closed at a yield: every cache holds committed tokens only
+            self._settle_guess(None)
             self._store()
             raise
+        self._settle_guess(None)
         self._store()
 
     # -- the prompt -----------------------------------------------------------------
@@ -280,18 +299,71 @@ class _Run:
                 self.gate.observe(*settled)
         return [t], nxt
 
+    # -- pipelining -------------------------------------------------------------------
+    def _settle_guess(self, draft) -> mx.array | None:
+        """Score the last guess against the step about to run (``draft``; None: a plain
+        step or the end) and return its queued logprobs when it is exactly this verify;
+        a queued verify that is not is undone."""
+        guess, self.guess = self.guess, None
+        if guess is None:
+            return None
+        hit = draft is not None and guess.start == len(self.tokens) - 1 and guess.drafts == draft.host
+        self.ahead.observe(hit)
+        if guess.logprobs is None:
+            return None
+        if hit:
+            self.stats.queued_used += 1
+            return guess.logprobs
+        self._undo_queued(guess)
+        return None
+
+    def _undo_queued(self, guess: _Guess) -> None:
+        self.stats.queued_dropped += 1
+        self.target.rollback_to(guess.start)  # undoes that forward alone
+
+    def _guess_next(self, draft, k: int) -> _Guess | None:
+        """The verify after this one if every draft is accepted: the drafter's guess of the
+        target's next token and of what it will then propose, at the same depth."""
+        if self.ahead is None or draft.host is None:
+            return None
+        k_next = min(k, self.max_tokens - self.emitted - (k + 1) - 1)
+        if k_next < 1:
+            return None
+        found = self.drafter.peek(self.tokens, draft.host, k_next + 1)
+        if len(found) < k_next + 1:
+            return None
+        guess = _Guess(self.target.length, found[0], found[1:])
+        if self.ahead.on:
+            # Only the forward is queued: the acceptance draws (random at temperature > 0)
+            # are made once the guess is confirmed, in the same order as without queueing.
+            inputs = mx.array(found, mx.uint32)
+            guess.logprobs = self.sampling.logprobs(self.target.forward(inputs, whole=True))
+        return guess
+
     def _speculative_step(self, draft) -> list[int]:
         k = len(draft)
-        start = self.target.length  # == len(tokens) - 1
-        inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
-        logprobs = self.sampling.logprobs(self.target.forward(inputs))
+        start = len(self.tokens) - 1  # committed in the cache (a queued verify may follow)
+        logprobs = self._settle_guess(draft)
+        if logprobs is None:
+            inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
+            logprobs = self.sampling.logprobs(self.target.forward(inputs))
         n_acc, out = accept(self.sampling, logprobs, draft.tokens, draft.logprobs)
-        mx.eval(n_acc, out, draft.tokens)
+        mx.async_eval(n_acc, out, draft.tokens)
+        guess = self._guess_next(draft, k)
+        if guess is not None and guess.logprobs is not None:
+            mx.async_eval(guess.logprobs)  # runs while the host reads this step's result
         n = n_acc.item()
         new = draft.tokens.tolist()[:n] + [out[n].item()]
+        if guess is not None and (n < k or new[-1] != guess.bonus):
+            if guess.logprobs is not None:
+                self._undo_queued(guess)
+            self.ahead.observe(False)
+            guess = None
+        self.guess = guess
         self._pass_hidden(self.target.hidden[: n + 1] if self.hidden_to_drafter else None)
-        self.target.rollback_to(start + 1 + n)
-        self.target.commit()
+        if guess is None or guess.logprobs is None:  # else all k were kept, the queued verify too
+            self.target.rollback_to(start + 1 + n)
+        self.target.commit(start + 1 + n)
         self.drafter.rollback(start + 1 + n)
         self.tokens.extend(new)
         self.stats.record_verify(k, n)

@@ -31,6 +31,9 @@ class Stats:
     accepted: int = 0
     verify_steps: int = 0  # target forwards that checked at least one drafted token
     plain_steps: int = 0  # target forwards that decoded one token with nothing drafted
+    # verifies queued before the step before them was read: used as queued, or dropped
+    queued_used: int = 0
+    queued_dropped: int = 0
     # per draft position i: how often a draft reached position i and how often it was accepted
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -110,6 +113,8 @@ class Stats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "verify_steps": self.verify_steps,
             "plain_steps": self.plain_steps,
+            "queued_used": self.queued_used,
+            "queued_dropped": self.queued_dropped,
             "mean_depth": round(self.mean_depth, 3),
             "depth_histogram": {str(k): v for k, v in sorted(self.depth_histogram.items())},
             "prompt_tps": round(self.prompt_tps, 2),

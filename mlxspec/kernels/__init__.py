@@ -1,10 +1,11 @@
 """Verify kernels for MLX's CUDA backend (``mx.fast.cuda_kernel``).
 
-Two things make a verify forward of a few tokens cost far more than one token there:
+Three things make a verify forward of a few tokens cost far more than one token there:
 mlx-lm's GatedDeltaNet recurrence has a fused kernel only on Metal (elsewhere it is a loop of
-ops per token), and MLX's quantized matmul for 2..7 rows reads the weights once per row.
-:mod:`.gdn` and :mod:`.qmm` replace both on CUDA; everywhere else, and with
-``MLXSPEC_KERNELS=0``, mlx-lm's and MLX's own paths run unchanged.
+ops per token), MLX's quantized matmul for 2..7 rows reads the weights once per row, and MLX's
+attention for 2..16 query rows rebuilds a cuDNN graph whenever the key length changes (every
+verify step). :mod:`.gdn`, :mod:`.qmm` and :mod:`.attention` replace the three on CUDA;
+everywhere else, and with ``MLXSPEC_KERNELS=0``, mlx-lm's and MLX's own paths run unchanged.
 """
 
 from __future__ import annotations
@@ -60,10 +61,12 @@ def int_array(*values: int) -> mx.array:
 
 
 def install(model: nn.Module) -> dict:
-    """Route a loaded model's GatedDeltaNet recurrences and small-batch quantized matmuls
-    through the CUDA kernels where they are active; a no-op elsewhere. Returns what it did."""
+    """Route a loaded model's GatedDeltaNet recurrences, small-batch quantized matmuls and
+    verify attention through the CUDA kernels where they are active; a no-op elsewhere.
+    Returns what it did."""
     if not active():
-        return {"gdn": False, "qmm_layers": 0}
-    from . import gdn, qmm
+        return {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
+    from . import attention, gdn, qmm
 
-    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model)}
+    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model),
+            "attention_modules": attention.install(model)}

@@ -44,7 +44,22 @@ HYBRID = {
                         linear_num_key_heads=16, linear_num_value_heads=48,
                         vocab_size=248320, tie_word_embeddings=False),
 }
+# Qwen3.6-35B-A3B's text_config (../shared reference config): 40 layers, 256 experts of 512, 8
+# routed per token plus a shared expert; each verified token activates its own experts.
+HYBRID["qwen3.6-35b-a3b"] = dict(
+    hidden_size=2048, num_hidden_layers=40, intermediate_size=512, num_attention_heads=16,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, norm_topk_prob=True, vocab_size=248320,
+    tie_word_embeddings=False)
+HYBRID["smoke-moe"] = dict(  # a quick check of the MoE path on a CPU
+    hidden_size=128, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=64, shared_expert_intermediate_size=64, vocab_size=1024,
+    tie_word_embeddings=False)
 SHAPES = tuple(DENSE) + tuple(HYBRID)
+MOE = ("qwen3.6-35b-a3b", "smoke-moe")
 
 
 def shape_config(shape: str, vocab: int | None = None) -> dict:
@@ -56,12 +71,14 @@ def shape_config(shape: str, vocab: int | None = None) -> dict:
                     head_dim=head_dim, rms_norm_eps=1e-6, vocab_size=vocab or n_vocab,
                     max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=tied)
     if shape in HYBRID:
-        text = {**_HYBRID_COMMON, **HYBRID[shape], "model_type": "qwen3_5_text"}
+        moe = shape in MOE
+        text = {**_HYBRID_COMMON, **HYBRID[shape],
+                "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text"}
         if vocab:
             text["vocab_size"] = vocab
         text["rope_parameters"] = {"type": "default", "mrope_section": [11, 11, 10],
                                    "rope_theta": 10000000, "partial_rotary_factor": 0.25}
-        return dict(model_type="qwen3_5", text_config=text)
+        return dict(model_type="qwen3_5_moe" if moe else "qwen3_5", text_config=text)
     raise KeyError(shape)
 
 
@@ -100,6 +117,10 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
         from mlx_lm.models import qwen3
 
         model, scale = qwen3.Model(qwen3.ModelArgs(**config)), 0.05
+    elif config["model_type"] == "qwen3_5_moe":
+        from mlx_lm.models import qwen3_5_moe
+
+        model, scale = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config)), 0.02
     else:
         from mlx_lm.models import qwen3_5
 
@@ -127,3 +148,32 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
 
     install(model)  # as a loaded checkpoint gets (CUDA verify kernels)
     return model
+
+
+def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int = 64, seed: int = 1):
+    """A one-layer Qwen3.5-layout MTP head (fc, two pre-norms, a full-attention decoder layer
+    with the trunk's MLP kind, final norm; the trunk's lm_head) with random weights, bound to
+    ``model``: its real cost, for timing. Dense Qwen3 shapes ship no head; theirs is the same
+    layout at the trunk's sizes."""
+    from mlx_lm.models.qwen3_5 import TextModelArgs
+
+    from .mtp.head import MTPHead, QwenMTPHead, split_trunk
+
+    config = shape_config(shape)
+    text = dict(config.get("text_config", config))
+    if "text_config" not in config:  # a dense Qwen3 shape: the head's layer at its sizes
+        text.update(full_attention_interval=4, linear_num_key_heads=1, linear_num_value_heads=1,
+                    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                    rope_parameters={"type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0})
+    args = TextModelArgs.from_dict(text)
+    module = QwenMTPHead(args, 1)
+    mx.random.seed(seed)
+    _randomize(module, 0.02)
+    if bits:
+        nn.quantize(module, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+    mx.eval(module.parameters())
+    from ..kernels import install
+
+    install(module)
+    nbytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+    return MTPHead(module, split_trunk(model), nbytes, f"random {shape} head")

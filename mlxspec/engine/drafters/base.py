@@ -14,6 +14,7 @@ from ..sampling import SamplingParams
 class Draft:
     tokens: mx.array  # (k,) proposed tokens, on device
     logprobs: mx.array | None = None  # (k, V) processed q they were drawn from; None = one-hot
+    host: list[int] | None = None  # the same tokens on the host, when drafted there
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -63,6 +64,11 @@ class Drafter(ABC):
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Host-side proposal without any model work (used for free shadow checks); [] if none."""
+        return []
+
+    def peek(self, tokens: list[int], extra: list[int], k: int) -> list[int]:
+        """What :meth:`lookup` would propose once ``extra`` follows ``tokens``, changing
+        nothing (for queueing the next verify before this one is read); [] if unknown."""
         return []
 
     def rollback(self, committed: int) -> None:

@@ -42,6 +42,9 @@ class PromptLookupDrafter(Drafter):
         if k <= 0 or len(tokens) < self.min_ngram + 1:
             return []
         self._catch_up(tokens)
+        return self._search(tokens, k)
+
+    def _search(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             pos = self._index.get(tuple(tokens[-n:]))
             if pos is not None:
@@ -53,11 +56,19 @@ class PromptLookupDrafter(Drafter):
                 return found
         return []
 
+    def peek(self, tokens: list[int], extra: list[int], k: int) -> list[int]:
+        # Only the committed tokens are indexed: n-grams ending inside ``extra`` are not
+        # (lookup after the commit may find a later match; the caller compares the two).
+        if k <= 0 or len(tokens) + len(extra) < self.min_ngram + 1:
+            return []
+        self._catch_up(tokens)
+        return self._search(tokens + extra, k)
+
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         found = self.lookup(tokens, k)
         if not found:
             return None
-        return Draft(mx.array(found, mx.uint32), None)
+        return Draft(mx.array(found, mx.uint32), None, found)
 
 
 def repetition_score(tokens: list[int], n: int = 3, window: int = 4096) -> float:

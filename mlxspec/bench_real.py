@@ -1,0 +1,390 @@
+"""``mlxspec bench --real-shapes``: the engines on random-weight models of real shapes, with
+scripted outputs (:mod:`mlxspec.bench_script`), so speed is measured on the path users take
+(bf16 activations, quantized weights, a KV cache growing token by token) and every output is
+known in advance.
+
+Per shape, all in one process: the target, a random MTP head of the real layout and a random
+Qwen3-0.6B-shaped draft model are built; the verify-cost curve the engine's depth choice uses
+is measured as in ``run``; forwards of 1..N tokens over a growing cache are timed for the
+ideal. Then, for each repetition, every (workload, engine, depth) cell generates once,
+interleaved. Reported per cell, median over repetitions: tok/s, speedup over mlx-lm plain on
+the same workload, acceptance, tokens per target forward, the ideal speedup (what the measured
+forward costs allow for the steps this run took, with no host time) and achieved/ideal, and
+whether the tokens equal the script.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+WORKLOADS = ("echo", "novel", "scripted-a0.8", "scripted-a0.6", "scripted-a1.0")
+DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.6-27b", "qwen3.6-35b-a3b")
+DRAFT_SHAPE = "qwen3-0.6b"
+ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft")
+BASELINE = "mlx-lm"
+MLX_LM_DRAFT_DEPTH = 3  # mlx-lm-draft's num_draft_tokens, as in `mlxspec bench`
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    engine: str
+    depth: int | None = None  # None: the engine's own gates and depth choice; else forced, no gates
+    temperature: float = 0.0
+
+    @property
+    def key(self) -> tuple:
+        return (self.workload, self.engine, self.depth, self.temperature)
+
+
+def plan(workloads, dense: bool, depths, temperature: float | None) -> list[Cell]:
+    """The cells of one shape: each workload's engines, forced depths at full acceptance, and
+    a seeded pass at ``temperature`` (None: none)."""
+    cells = []
+    for w in workloads:
+        cells.append(Cell(w, BASELINE))
+        if w in ("echo", "novel"):
+            cells += [Cell(w, e) for e in ("mlxspec-none", "mlxspec-pld", "mlxspec-mtp")]
+        else:
+            cells += [Cell(w, "mlxspec-mtp"), Cell(w, "mlxspec-draft")]
+            if dense:  # mlx-lm cannot roll back the hybrids' GatedDeltaNet caches
+                cells.append(Cell(w, "mlx-lm-draft"))
+            if w == "scripted-a1.0":
+                cells += [Cell(w, e, d) for e in ("mlxspec-pld", "mlxspec-mtp") for d in depths]
+            elif w == "scripted-a0.8":
+                cells += [Cell(w, "mlxspec-mtp", d) for d in depths if d <= 4]
+    if temperature:
+        sampled = [("echo", "mlxspec-pld"), ("scripted-a0.8", "mlxspec-mtp")]
+        for w, e in sampled:
+            if w in workloads:
+                cells += [Cell(w, BASELINE, None, temperature), Cell(w, e, None, temperature)]
+    return cells
+
+
+def parse_shapes(text: str) -> list[str]:
+    from .models.synthetic import SHAPES
+
+    if text.strip() == "all":
+        return list(DEFAULT_SHAPES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UsageError("--real-shapes needs at least one shape")
+    for name in names:
+        if name not in SHAPES:
+            raise UsageError(f"unknown shape '{name}' for --real-shapes; choose from {', '.join(SHAPES)}")
+    return names
+
+
+# -- timing ---------------------------------------------------------------------------------
+
+
+def forward_ms(model, widths, context: list[int], reps: int) -> dict[int, float]:
+    """Median ms of a forward of n tokens (graph built, run and waited for) over a cache that
+    grows as in generation: every forward is kept, so each sees a new key length."""
+    import mlx.core as mx
+
+    from .engine.cache import ModelState
+
+    state = ModelState(model)
+    state.prefill(context)
+    out = {}
+    for n in (1,) + tuple(widths):  # the first 1-token run warms up
+        samples = []
+        for _ in range(reps + 1):
+            tokens = mx.array(context[:n], mx.uint32)
+            t0 = time.perf_counter()
+            mx.eval(mx.argmax(state.forward(tokens, rollback=False)[-1], axis=-1))
+            samples.append(time.perf_counter() - t0)
+        out[n] = 1e3 * statistics.median(samples[1:])
+    return out
+
+
+def mtp_step_ms(head, context: int, reps: int) -> float:
+    """Median ms of one MTP head draft step (its layer, the lm_head, a greedy pick)."""
+    import mlx.core as mx
+
+    cache = head.make_cache()
+    hidden_size = head.module.fc.weight.shape[0]
+    rows = mx.zeros((context, hidden_size), mx.bfloat16)
+    mx.eval(head.forward(mx.arange(context).astype(mx.uint32), rows, cache))
+    last = rows[-1:]
+    samples = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        logits, last = head.step(mx.array([i + 1], mx.uint32), last, cache)
+        mx.eval(mx.argmax(logits, axis=-1), last)
+        samples.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(samples[1:])
+
+
+# -- one generation -------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    decode_s: float
+    stats: dict | None = None  # mlxspec's Stats.to_dict()
+    from_draft: int | None = None  # mlx-lm-draft
+
+    @property
+    def tps(self) -> float | None:
+        n = len(self.tokens)
+        return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else None
+
+
+class ShapeBench:
+    """One shape's models, scripts and measured costs; :meth:`run` generates one cell."""
+
+    def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
+                 workloads, reps: int, seed: int = 0, on_step=None):
+        from .bench_script import ScriptedLogits, make_script
+        from .engine.cache import model_nbytes
+        from .engine.costs import measure_verify_cost
+        from .models.synthetic import MOE, random_model, random_mtp_head, shape_config, vocab_size
+
+        say = on_step or (lambda *a: None)
+        self.shape, self.max_tokens, self.seed = shape, max_tokens, seed
+        self.dense = shape_config(shape)["model_type"] == "qwen3"
+        self.moe = shape in MOE
+        vocab = vocab_size(shape)
+        say(f"{shape}: building the target ({bits}-bit)")
+        t0 = time.perf_counter()
+        self.model = random_model(shape, bits=bits)
+        say(f"{shape}: building the MTP head and the draft model")
+        self.head = random_mtp_head(self.model, shape, bits=bits)
+        draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
+        self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
+        self.build_s = time.perf_counter() - t0
+        self.target_nbytes = model_nbytes(self.model)
+        self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
+        self.target_logits = ScriptedLogits(self.model, [0])
+        self.draft_logits = ScriptedLogits(self.draft, [0])
+        say(f"{shape}: measuring the verify-cost curve (as `run` does)")
+        self.cost = measure_verify_cost(self.model, vocab=vocab)
+        say(f"{shape}: timing forwards over a growing cache")
+        context = self.scripts[workloads[0]].prompt
+        self.forward = forward_ms(self.model, range(2, 18), context, reps)
+        draft_forward = forward_ms(self.draft, (), context, reps)
+        self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, len(context), reps),
+                              "mlxspec-draft": draft_forward[1]}
+
+    def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
+        import mlx.core as mx
+
+        script = self.scripts[cell.workload]
+        self.target_logits.table = mx.array(script.target, mx.int32)
+        self.draft_logits.table = mx.array(script.drafted, mx.int32)
+        n = max_tokens or self.max_tokens
+        seed = self.seed if cell.temperature > 0 else None
+        mx.synchronize()
+        mx.clear_cache()
+        if cell.engine.startswith("mlx-lm"):
+            return self._mlx_lm(script.prompt, n, cell, seed)
+        return self._mlxspec(script, n, cell, seed)
+
+    def _mlx_lm(self, prompt, n, cell: Cell, seed) -> Run:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step, speculative_generate_step
+        from mlx_lm.sample_utils import make_sampler
+
+        if seed is not None:
+            mx.random.seed(seed)
+        sampler = make_sampler(temp=cell.temperature)
+        ids = mx.array(prompt, mx.uint32)
+        if cell.engine == "mlx-lm-draft":
+            steps = speculative_generate_step(ids, self.model, self.draft, sampler=sampler, max_tokens=n,
+                                              num_draft_tokens=MLX_LM_DRAFT_DEPTH)
+        else:
+            steps = generate_step(ids, self.model, sampler=sampler, max_tokens=n)
+        tokens, stamps, from_draft = [], [], 0
+        for item in steps:
+            tokens.append(int(item[0]))
+            stamps.append(time.perf_counter())
+            from_draft += bool(item[2]) if len(item) > 2 else 0
+        return Run(tokens, stamps[-1] - stamps[0],
+                   from_draft=from_draft if cell.engine == "mlx-lm-draft" else None)
+
+    def _drafter(self, engine: str, script):
+        from .bench_script import SteeredLookup, SteeredMTP
+        from .engine.drafters.draft_model import DraftModelDrafter
+        from .engine.drafters.mtp import MTPDrafter
+        from .engine.drafters.pld import PromptLookupDrafter
+
+        steered = script.acceptance is not None
+        if engine == "mlxspec-pld":
+            return SteeredLookup(script) if steered else PromptLookupDrafter()
+        if engine == "mlxspec-mtp":
+            if steered:
+                return SteeredMTP(self.head, self.target_nbytes, script)
+            return MTPDrafter(self.head, self.target_nbytes)
+        if engine == "mlxspec-draft":
+            return DraftModelDrafter(self.draft, self.target_nbytes)  # steered by its logits
+        return "none"
+
+    def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
+        from .engine.sampling import SamplingParams
+        from .engine.speculate import SpeculativeDecoder
+
+        forced = cell.depth is not None
+        dec = SpeculativeDecoder(self.model, drafter=self._drafter(cell.engine, script), depth=cell.depth,
+                                 gates=not forced, cost=self.cost)
+        tokens, stamps, stats = [], [], None
+        for new, stats in dec.generate(script.prompt, sampling=SamplingParams(cell.temperature),
+                                       max_tokens=n, seed=seed):
+            if new:
+                tokens.extend(new)
+                stamps.append(time.perf_counter())
+        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict())
+
+    def ideal(self, cell: Cell, run: Run, plain_ms: float) -> float | None:
+        """The speedup this run's steps would give if each cost only its measured forward:
+        plain steps at mlx-lm's per-token time, a verify of k drafts at a (k+1)-token forward
+        plus k draft steps."""
+        n = len(run.tokens)
+        if cell.engine == BASELINE or not n:
+            return 1.0 if cell.engine == BASELINE else None
+        if run.stats is None:  # mlx-lm-draft: every verify drafts MLX_LM_DRAFT_DEPTH
+            k = MLX_LM_DRAFT_DEPTH
+            verifies = n - (run.from_draft or 0)
+            step = self._forward(k + 1) + k * self.draft_step_ms["mlxspec-draft"]
+            return n * plain_ms / (verifies * step)
+        s = run.stats
+        total = s["plain_steps"] * plain_ms
+        for k, count in s["depth_histogram"].items():
+            k = int(k)
+            total += count * (self._forward(k + 1) + k * self.draft_step_ms.get(cell.engine, 0.0))
+        return n * plain_ms / total if total else None
+
+    def _forward(self, n: int) -> float:
+        return self.forward.get(n) or self.forward[max(self.forward)] * n / max(self.forward)
+
+
+# -- the whole benchmark --------------------------------------------------------------------
+
+
+def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_tokens: int = 128,
+                    reps: int = 5, depths=tuple(range(1, 9)), workloads=WORKLOADS,
+                    temperature: float | None = 0.7, seed: int = 0, on_step=None) -> dict:
+    """Every cell of every shape; returns the JSON-ready result (without the environment)."""
+    import mlx.core as mx
+
+    from .bench_script import parse_workload
+
+    for w in workloads:
+        parse_workload(w)
+    if reps < 1 or prompt_tokens < 8 or max_tokens < 2:
+        raise UsageError("--reps must be >= 1, --prompt-tokens >= 8 and --max-tokens >= 2")
+    say = on_step or (lambda *a: None)
+    cells_out, shapes_out = [], []
+    for si, shape in enumerate(shapes):
+        bench = ShapeBench(shape, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                           workloads=list(workloads), reps=reps, seed=seed,
+                           on_step=lambda m: say(m, si, len(shapes)))
+        cells = plan(workloads, bench.dense, depths, temperature)
+        for cell in cells:  # warm-up: kernels, allocator, the shapes each engine meets
+            say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
+            bench.run(cell, max_tokens=min(max_tokens, 32))
+        runs: dict[tuple, list[Run]] = {c.key: [] for c in cells}
+        for rep in range(reps):
+            for cell in cells:
+                say(f"{shape}: rep {rep + 1}/{reps} {cell.workload} {cell.engine}"
+                    + (f" depth {cell.depth}" if cell.depth else ""), si, len(shapes))
+                runs[cell.key].append(bench.run(cell))
+        cells_out += summarize(bench, cells, runs)
+        shapes_out.append({"shape": shape, "bits": bits, "build_s": round(bench.build_s, 1),
+                           "weights_mb": round(bench.target_nbytes / 1e6, 1),
+                           "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
+                           "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
+                           "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())}})
+        del bench
+        mx.clear_cache()
+    say("done", len(shapes), len(shapes))
+    return {"config": {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens,
+                       "max_tokens": max_tokens, "reps": reps, "depths": list(depths),
+                       "workloads": list(workloads), "temperature": temperature, "seed": seed},
+            "shapes": shapes_out, "cells": cells_out}
+
+
+def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
+    out = []
+    for cell in cells:
+        mine = runs[cell.key]
+        base = runs[Cell(cell.workload, BASELINE, None, cell.temperature).key]
+        tps = statistics.median(r.tps for r in mine)
+        base_tps = statistics.median(r.tps for r in base)
+        plain_ms = 1e3 / base_tps
+        ideals = [bench.ideal(cell, r, plain_ms) for r in mine]
+        ideal = statistics.median(ideals) if None not in ideals else None
+        want = bench.scripts[cell.workload].continuation[: bench.max_tokens]
+        drafted = sum(r.stats["drafted"] for r in mine) if mine[0].stats else None
+        accepted = sum(r.stats["accepted"] for r in mine) if mine[0].stats else None
+        steps = [r.stats["verify_steps"] + r.stats["plain_steps"] if r.stats
+                 else len(r.tokens) - (r.from_draft or 0) for r in mine]
+        if cell.engine == "mlx-lm-draft":
+            drafted = sum(MLX_LM_DRAFT_DEPTH * s for s in steps)
+            accepted = sum(r.from_draft for r in mine)
+        speedup = tps / base_tps
+        out.append({
+            "shape": bench.shape, "workload": cell.workload, "engine": cell.engine,
+            "depth": cell.depth if cell.depth is not None else "auto",
+            "temperature": cell.temperature,
+            "tps": round(tps, 2), "speedup": round(speedup, 3),
+            "ideal": round(ideal, 3) if ideal else None,
+            "achieved_over_ideal": round(speedup / ideal, 3) if ideal else None,
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "tokens_per_step": round(sum(len(r.tokens) for r in mine) / sum(steps), 3),
+            "identical": all(r.tokens == want for r in mine),
+            "reps_tps": [round(r.tps, 2) for r in mine],
+            "mean_depth": (round(statistics.mean(r.stats["mean_depth"] for r in mine), 2)
+                           if mine[0].stats else None),
+            "queued_used": sum(r.stats.get("queued_used", 0) for r in mine) if mine[0].stats else None,
+            "gate_events": mine[-1].stats["gate_events"] if mine[0].stats else None,
+        })
+    return out
+
+
+def real_shapes_table(doc: dict, shape: str):
+    """Rich table of one shape's cells."""
+    from rich.table import Table
+
+    env = doc.get("environment", {})
+    table = Table(title=f"{shape} on {env.get('device_name') or env.get('device', '?')}: speedup over "
+                        "mlx-lm (median of reps)", title_justify="left")
+    for col in ("workload", "engine", "depth", "temp", "tok/s", "speedup", "ideal", "ach/ideal",
+                "accept", "tok/step", "identical"):
+        table.add_column(col, justify="left" if col in ("workload", "engine") else "right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for c in doc["real_shapes"]["cells"]:
+        if c["shape"] != shape:
+            continue
+        table.add_row(c["workload"], c["engine"], str(c["depth"]), f"{c['temperature']:g}",
+                      fmt(c["tps"], ".1f"), fmt(c["speedup"], ".2f") + "x", fmt(c["ideal"], ".2f"),
+                      fmt(c["achieved_over_ideal"], ".2f"), fmt(c["acceptance"], ".0%"),
+                      fmt(c["tokens_per_step"], ".2f"), "yes" if c["identical"] else "NO")
+    return table
+
+
+def real_shapes_chart(doc: dict, shape: str, ax) -> None:
+    """Speedup against forced depth at full acceptance (pld and mtp), with the ideal from the
+    measured forwards; the engines' own choices on each workload as points at depth 0."""
+    cells = [c for c in doc["cells"] if c["shape"] == shape and c["temperature"] == 0]
+    for i, engine in enumerate(("mlxspec-pld", "mlxspec-mtp")):
+        forced = sorted((c["depth"], c["speedup"], c["ideal"]) for c in cells
+                        if c["engine"] == engine and c["workload"] == "scripted-a1.0"
+                        and c["depth"] != "auto")
+        if forced:
+            ax.plot([f[0] for f in forced], [f[1] for f in forced], marker="o", color=f"C{i}",
+                    label=f"{engine} achieved")
+            ax.plot([f[0] for f in forced], [f[2] for f in forced], linestyle="--", color=f"C{i}",
+                    label=f"{engine} ideal")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("forced depth (drafts per verify), every draft accepted")
+    ax.set_ylabel("speedup over mlx-lm")
+    ax.set_title(f"{shape} ({doc.get('device', '?')})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
