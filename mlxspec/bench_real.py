@@ -141,7 +141,7 @@ class ShapeBench:
     """One shape's models, scripts and measured costs; :meth:`run` generates one cell."""
 
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
-                 workloads, reps: int, seed: int = 0, on_step=None):
+                 workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
         from .bench_script import ScriptedLogits, make_script
         from .engine.cache import model_nbytes
         from .engine.costs import measure_verify_cost
@@ -168,7 +168,7 @@ class ShapeBench:
         self.cost = measure_verify_cost(self.model, vocab=vocab)
         say(f"{shape}: timing forwards over a growing cache")
         context = self.scripts[workloads[0]].prompt
-        self.forward = forward_ms(self.model, range(2, 18), context, reps)
+        self.forward = forward_ms(self.model, range(2, widest + 1), context, reps)
         draft_forward = forward_ms(self.draft, (), context, reps)
         self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, len(context), reps),
                               "mlxspec-draft": draft_forward[1]}
@@ -269,8 +269,10 @@ class ShapeBench:
 
 def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_tokens: int = 128,
                     reps: int = 5, depths=tuple(range(1, 9)), workloads=WORKLOADS,
-                    temperature: float | None = 0.7, seed: int = 0, on_step=None) -> dict:
-    """Every cell of every shape; returns the JSON-ready result (without the environment)."""
+                    temperature: float | None = 0.7, seed: int = 0, on_step=None,
+                    on_partial=None) -> dict:
+    """Every cell of every shape; returns the JSON-ready result (without the environment).
+    ``on_partial(result)`` gets the cells so far after each repetition (to save them)."""
     import mlx.core as mx
 
     from .bench_script import parse_workload
@@ -281,9 +283,13 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
         raise UsageError("--reps must be >= 1, --prompt-tokens >= 8 and --max-tokens >= 2")
     say = on_step or (lambda *a: None)
     cells_out, shapes_out = [], []
+    config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens,
+              "max_tokens": max_tokens, "reps": reps, "depths": list(depths),
+              "workloads": list(workloads), "temperature": temperature, "seed": seed}
     for si, shape in enumerate(shapes):
         bench = ShapeBench(shape, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                            workloads=list(workloads), reps=reps, seed=seed,
+                           widest=max(max(depths, default=1), MLX_LM_DRAFT_DEPTH, 8) + 1,
                            on_step=lambda m: say(m, si, len(shapes)))
         cells = plan(workloads, bench.dense, depths, temperature)
         for cell in cells:  # warm-up: kernels, allocator, the shapes each engine meets
@@ -295,6 +301,10 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
                 say(f"{shape}: rep {rep + 1}/{reps} {cell.workload} {cell.engine}"
                     + (f" depth {cell.depth}" if cell.depth else ""), si, len(shapes))
                 runs[cell.key].append(bench.run(cell))
+            if on_partial is not None:
+                done = {c.key: r for c, r in ((c, runs[c.key]) for c in cells)}
+                on_partial({"config": config, "shapes": shapes_out,
+                            "cells": cells_out + summarize(bench, cells, done)})
         cells_out += summarize(bench, cells, runs)
         shapes_out.append({"shape": shape, "bits": bits, "build_s": round(bench.build_s, 1),
                            "weights_mb": round(bench.target_nbytes / 1e6, 1),
@@ -304,10 +314,7 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
         del bench
         mx.clear_cache()
     say("done", len(shapes), len(shapes))
-    return {"config": {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens,
-                       "max_tokens": max_tokens, "reps": reps, "depths": list(depths),
-                       "workloads": list(workloads), "temperature": temperature, "seed": seed},
-            "shapes": shapes_out, "cells": cells_out}
+    return {"config": config, "shapes": shapes_out, "cells": cells_out}
 
 
 def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:

@@ -205,6 +205,9 @@ def bench(
              "--workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")] = None,
     prompt_tokens: Annotated[int, typer.Option(
         "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")] = 512,
+    depths: Annotated[str, typer.Option(
+        "--depths", metavar="LIST", help="Real shapes: the forced depths of the ideal curve "
+                                         "(comma-separated, 1-16).")] = "1,2,3,4,5,6,7,8",
     kernels_off: Annotated[bool, typer.Option(
         "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
              "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
@@ -251,11 +254,24 @@ def bench(
 
             shapes = parse_shapes(real_shapes)
             chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
+            try:
+                forced = [int(d) for d in parse_list(depths, "depths")]
+            except ValueError:
+                forced = [0]
+            _check(all(1 <= d <= 16 for d in forced), f"--depths must be numbers from 1 to 16, got {depths}")
+
+            def save_partial(result):  # the repetitions done survive a run stopped later
+                if json_path:
+                    from .bench_report import write_json
+
+                    write_json(real_shapes_document(result), json_path)
+
             with _progress("real shapes") as on_step:
                 result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens,
                                          max_tokens=max_tokens or 128, reps=reps or 5, workloads=chosen,
-                                         temperature=temperature if temp_pass else None, seed=seed,
-                                         on_step=on_step)
+                                         depths=tuple(forced), seed=seed,
+                                         temperature=temperature if temp_pass else None,
+                                         on_step=on_step, on_partial=save_partial)
             _outputs([real_shapes_document(result)], json_path, png_path)
             if not all(c["identical"] for c in result["cells"]):
                 _note("note: some cell's tokens differ from the script (column identical)")
