@@ -69,12 +69,13 @@ def test_plan_has_forced_depths_and_the_draft_baseline_only_for_dense():
 
 
 def test_run_real_shapes_cells_are_identical_and_complete():
-    result = run_real_shapes(["smoke-hybrid"], bits=4, prompt_tokens=48, max_tokens=12, reps=2,
+    result = run_real_shapes(["smoke"], bits=0, prompt_tokens=48, max_tokens=12, reps=2,
                              depths=(1, 3), workloads=("echo", "scripted-a1.0"), temperature=0.7)
     cells = result["cells"]
     assert all(c["identical"] for c in cells)
-    assert {c["engine"] for c in cells} == {"mlx-lm", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp",
-                                           "mlxspec-draft"}
+    assert {c["engine"] for c in cells} == {"mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld",
+                                           "mlxspec-mtp", "mlxspec-draft"}
+
     forced = [c for c in cells if c["workload"] == "scripted-a1.0" and c["depth"] == 3]
     assert {c["engine"] for c in forced} == {"mlxspec-pld", "mlxspec-mtp"}
     for c in forced:  # every draft accepted: k + 1 tokens per verify (the last one may be cut)
@@ -88,7 +89,7 @@ def test_run_real_shapes_cells_are_identical_and_complete():
 def test_cli_real_shapes_json_and_errors(tmp_path):
     runner = CliRunner()
     out = tmp_path / "rs.json"
-    res = runner.invoke(cli.app, ["bench", "--real-shapes", "smoke", "--reps", "1", "--max-tokens", "8",
+    res = runner.invoke(cli.app, ["bench", "--real-shapes", "smoke", "--bits", "0", "--reps", "1", "--max-tokens", "8",
                                   "--prompt-tokens", "32", "--workloads", "novel", "--no-temp-pass",
                                   "--json", str(out)])
     assert res.exit_code == 0, res.output

@@ -189,3 +189,22 @@ def test_measured_cost_only_without_seed(tiny_qwen3):
     m = mlxspec.load(str(tiny_qwen3))
     assert m.generate("hi", max_tokens=3, temperature=0.5, seed=1).stats.cost_model == "default"
     assert m.generate("hi", max_tokens=3).stats.cost_model == "measured"
+
+
+def test_a_drafter_that_is_never_right_is_switched_off_after_three_steps():
+    """Nothing accepted: 3 steps of evidence suffice; one accepted token: the usual 8."""
+    from mlxspec.engine.gates import CostModel, SpeculationGate
+
+    class Head(PromptLookupDrafter):
+        uses_model = True
+        cost_per_token = 0.05
+
+    flat = CostModel(curve={n: 1.0 + 0.3 * (n - 1) for n in range(1, 10)}, measured=True)  # 27B-like
+    for first_accepted, off_after in ((0, 3), (1, 8)):
+        gate = SpeculationGate(Head(), 4, flat)
+        steps = 0
+        while gate.depth() > 0 and steps < 20:
+            k = gate.depth()
+            gate.observe(k, first_accepted if steps == 0 else 0)
+            steps += 1
+        assert not gate.on and steps == off_after, (first_accepted, steps)

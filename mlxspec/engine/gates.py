@@ -91,6 +91,10 @@ class SpeculationGate:
     # (no evidence yet) must not, or a drafter that pays is cut at token 0 and only comes back
     # through backed-off probes (seen with an MTP head on the GPU: off at token 0, on at 121).
     MIN_EVIDENCE = 8
+    # ... unless not one drafted token has been accepted yet: then 3 steps are enough (a head
+    # that never agrees cost 8 failed verifies per request, 10-20% of a short answer on the
+    # GPU machine's hybrid shapes, where a failed verify costs about two plain steps).
+    MIN_EVIDENCE_NONE_ACCEPTED = 3
 
     def __init__(
         self,
@@ -112,6 +116,7 @@ class SpeculationGate:
         self._probe_every = 16
         self._best: tuple[int, float] | None = None
         self._evidence = 0
+        self._accepted = 0
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
@@ -147,7 +152,8 @@ class SpeculationGate:
         if not self.gating:
             return self.max_depth if self.fixed_depth else self.best_depth()[0]
         k, gain = self.best_depth()
-        if self.on and gain < self.OFF_BELOW and self._evidence >= self.MIN_EVIDENCE:
+        enough = self.MIN_EVIDENCE if self._accepted else self.MIN_EVIDENCE_NONE_ACCEPTED
+        if self.on and gain < self.OFF_BELOW and self._evidence >= enough:
             self.switch(False, f"drafts stopped paying (expected {gain:.2f}x)")
         elif not self.on and gain > self.ON_ABOVE:
             self.switch(True, f"drafts pay again (expected {gain:.2f}x)")
@@ -179,6 +185,7 @@ class SpeculationGate:
             self.model.observe(drafted, accepted)
             self._best = None
             self._evidence += 1
+            self._accepted += accepted
         if self.on:
             self._probe_every = 16
 
