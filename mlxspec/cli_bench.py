@@ -175,7 +175,9 @@ def bench(
              "measuring (default: as stored). float32 makes the identity column meaningful on "
              "backends whose bf16 kernels do not repeat bit for bit.")] = None,
     sweep_context: Annotated[int, typer.Option(
-        "--sweep-context", metavar="N", help="Sweep: tokens already in the cache.")] = 256,
+        "--sweep-context", metavar="N", help="Sweep: tokens in the cache at the start (each "
+                                             "forward keeps one token, so every call meets a new "
+                                             "key length, as in generation).")] = 256,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Instead of the engines: time to first token on each turn of a growing "
                        "chat, with and without prefix reuse, and mlx-lm's (see above).")] = False,

@@ -24,9 +24,12 @@ def verify_times(
     model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256,
     warmup_each: bool = False,
 ) -> dict[int, list[float]]:
-    """Seconds of each of ``reps`` forwards of n tokens over a warm cache of ``context``
-    tokens, per width n (the cache is rolled back after each). One untimed 1-token forward
-    warms up first; ``warmup_each`` adds an untimed forward before every width's reps."""
+    """Seconds of each of ``reps`` forwards of n tokens over a warm cache of about
+    ``context`` tokens, per width n. Each forward keeps its first token, so every call meets a
+    new key length as in generation (a backend that rebuilds work per attention shape pays
+    for it here, as it would in use: MLX's CUDA SDPA did, 50-70 ms a call). One untimed
+    1-token forward warms up first; ``warmup_each`` adds an untimed forward before every
+    width's reps."""
     state = ModelState(model)
     state.prefill([(7 * i) % vocab for i in range(context)])
     times: dict[int, list[float]] = {}
@@ -34,11 +37,12 @@ def verify_times(
         tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
         samples = []
         for rep in range(reps + warmup_each):
+            start = state.length
             t0 = time.perf_counter()
             mx.eval(state.forward(tokens))
             if rep >= warmup_each:
                 samples.append(time.perf_counter() - t0)
-            state.rollback_to(context)
+            state.rollback_to(start + 1)
             state.commit()
         times[n] = samples
     return times
