@@ -72,7 +72,7 @@ class SpecModel:
         """The checkpoint's native MTP head (read on first use), or None; and why not."""
         if self._mtp is None:
             from .errors import MlxspecError
-            from .models.mtp.head import load_mtp_head
+            from .models.mtp import load_mtp_head
 
             try:
                 head = load_mtp_head(self.target.model, self.target.path, self.target.config)
@@ -104,9 +104,9 @@ class SpecModel:
         if self._fixed is None:
             from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-            from .engine.cache import _leaves
+            from .engine.cache import cache_leaves
 
-            self._fixed = any(type(c) is not KVCache for c in _leaves(make_prompt_cache(self.target.model)))
+            self._fixed = any(type(c) is not KVCache for c in cache_leaves(make_prompt_cache(self.target.model)))
         return self._fixed
 
     @property

@@ -56,7 +56,7 @@ def _command_line() -> str:
     return shlex.join(argv)
 
 
-def _model_info(loaded) -> dict | None:
+def model_info(loaded) -> dict | None:
     if loaded is None:
         return None
     cfg = loaded.config
@@ -73,7 +73,7 @@ def bench_document(bench, result: dict) -> dict:
                     for e, why in bench.skipped.items()})
     return {
         "schema": SCHEMA, "kind": "bench", "environment": environment(),
-        "model": _model_info(bench.spec.target), "draft_model": _model_info(bench.spec.draft),
+        "model": model_info(bench.spec.target), "draft_model": model_info(bench.spec.draft),
         "config": {"reps": o.reps, "draft_depth": o.draft_depth, "depth": o.depth,
                    "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed,
                    "gates": o.gates},

@@ -340,7 +340,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
               dtype, json_path, png_path) -> None:
     """``bench --chat``: flags checked, then MODEL or each random shape through run_chat."""
     from .bench_chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
-    from .bench_report import _model_info, chat_document
+    from .bench_report import model_info, chat_document
 
     turns = 5 if turns is None else turns
     answer = 64 if max_tokens is None else max_tokens
@@ -394,7 +394,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
             result = run_chat(spec.target.model, vocab=spec.target.vocab_size, on_step=on_step,
                               label=spec.name, mtp_head=head,
                               draft_model=spec.draft.model if spec.draft else None, **_run_args(config))
-        models = [{**_model_info(spec.target), "draft_model": _model_info(spec.draft),
+        models = [{**model_info(spec.target), "draft_model": model_info(spec.draft),
                    "random_weights": False, "dtype": dtype, **result}]
     _outputs([chat_document(models, config)], json_path, png_path)
 

@@ -288,7 +288,7 @@ def list_models(
         if json_out:
             sys.stdout.write(json.dumps(rows) + "\n")
         elif not rows:
-            _note(f"no models in the Hugging Face cache ({hub._display(hub.hf_cache_dir())}); "
+            _note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
                   "download one with `mlxspec pull MODEL`")
         else:
             _list_table(rows)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import InvalidCheckpointError, MlxspecError, ModelNotFoundError, UsageError
-from .models.loader import _SNAPSHOT_PATTERNS, _display, hf_cache_dir
+from .models.loader import SNAPSHOT_PATTERNS, display_path, hf_cache_dir
 
 MTP_PATTERNS = ["mtp.safetensors", "mtp/*.safetensors", "model-mtp.safetensors"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -118,8 +118,8 @@ class PullResult:
 
 def _patterns(include_mtp: bool) -> tuple[list[str], list[str] | None]:
     if include_mtp:
-        return _SNAPSHOT_PATTERNS + MTP_PATTERNS, None
-    return list(_SNAPSHOT_PATTERNS), list(MTP_PATTERNS)
+        return SNAPSHOT_PATTERNS + MTP_PATTERNS, None
+    return list(SNAPSHOT_PATTERNS), list(MTP_PATTERNS)
 
 
 def _progress_class(on_total: Callable[[int], None], on_bytes: Callable[[int], None]):
@@ -227,7 +227,7 @@ def _hub_errors(err: Exception, repo_id: str, revision: str | None) -> MlxspecEr
         return HubError(f"download of '{repo_id}' failed: HTTP {status} from {where}; run the same "
                         "command again to resume")
     if isinstance(err, OfflineModeIsEnabled) or (isinstance(err, LocalEntryNotFoundError) and offline()):
-        return ModelNotFoundError(f"'{repo_id}' is not in the Hugging Face cache ({_display(hf_cache_dir())}) "
+        return ModelNotFoundError(f"'{repo_id}' is not in the Hugging Face cache ({display_path(hf_cache_dir())}) "
                                   "and offline mode is on (HF_HUB_OFFLINE); unset it to download")
     if isinstance(err, LocalEntryNotFoundError):
         return HubError(f"cannot reach {where} and '{repo_id}' is not in the Hugging Face cache; "
@@ -235,7 +235,7 @@ def _hub_errors(err: Exception, repo_id: str, revision: str | None) -> MlxspecEr
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         free = shutil.disk_usage(hf_cache_dir()).free if hf_cache_dir().exists() else None
         left = f" ({_human(free)} left)" if free is not None else ""
-        return HubError(f"disk full while downloading '{repo_id}' to {_display(hf_cache_dir())}{left}; "
+        return HubError(f"disk full while downloading '{repo_id}' to {display_path(hf_cache_dir())}{left}; "
                         "free some space (`mlxspec list`, `mlxspec rm MODEL`) and pull again to resume")
     try:
         import httpx2 as httpx  # what huggingface_hub 2.x uses
@@ -485,7 +485,7 @@ def plan_removal(ref: str) -> Removal:
     match = next((r for r in repos if r.repo_id == repo_id), None) or next(
         (r for r in repos if r.repo_id.lower() == repo_id.lower()), None)
     if match is None:
-        raise ModelNotFoundError(f"'{repo_id}' is not in the Hugging Face cache ({_display(hf_cache_dir())}); "
+        raise ModelNotFoundError(f"'{repo_id}' is not in the Hugging Face cache ({display_path(hf_cache_dir())}); "
                                  "see `mlxspec list`")
     strategy = info.delete_revisions(*[r.commit_hash for r in match.revisions])
     return Removal(match.repo_id, strategy.expected_freed_size, strategy)

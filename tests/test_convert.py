@@ -17,7 +17,7 @@ from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import MlxspecError, UsageError
 from mlxspec.models import tiny, tiny_mtp
 from mlxspec.models.convert import SIDECAR, convert_checkpoint
-from mlxspec.models.mtp.head import load_mtp_head
+from mlxspec.models.mtp import load_mtp_head
 from mlxspec.models.mtp.weights import find_mtp_weights
 
 ROOT = Path(__file__).resolve().parents[1]

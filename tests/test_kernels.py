@@ -125,7 +125,7 @@ def test_kernels_are_off_without_cuda_or_when_switched_off(monkeypatch):
     if not kernels.cuda():
         assert not kernels.active()
         assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
-    monkeypatch.setattr(kernels, "cuda", lambda: True)
+    monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
     assert kernels.active()
     monkeypatch.setenv(kernels.ENV, "0")
     assert not kernels.active()
@@ -213,7 +213,7 @@ def test_sweep_kernels_off_needs_cuda(monkeypatch):
 
     from mlxspec.cli import app
 
-    monkeypatch.setattr(kernels, "cuda", lambda: False)
+    monkeypatch.setattr(kernels.switch, "cuda", lambda: False)
     done = CliRunner().invoke(app, ["bench", "--sweep", "smoke", "--kernels-off"])
     assert done.exit_code == 2 and "not running MLX's CUDA backend" in done.output
 
@@ -256,7 +256,7 @@ def test_attention_is_mlx_lms_off_cuda_or_switched_off(monkeypatch, L, Hkv, D):
                 continue  # on CUDA the kernel runs: tests/test_kernels_gpu.py
             if env is not None:
                 monkeypatch.setenv(kernels.ENV, env)
-                monkeypatch.setattr(kernels, "cuda", lambda: True)
+                monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
             got = attention.scaled_dot_product_attention(q, k, v, cache, scale=D**-0.5, mask=mask)
             assert mx.array_equal(got, want), (name, env)
 

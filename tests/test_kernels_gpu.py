@@ -176,7 +176,7 @@ def test_mini_hybrid_speculates_exactly_with_the_kernels(monkeypatch):
     from mlx_lm.generate import generate_step
 
     from mlxspec.engine.speculate import SpeculativeDecoder
-    from mlxspec.models.mtp.head import load_mtp_head
+    from mlxspec.models.mtp import load_mtp_head
 
     from mlxspec.models.loader import load_model
 

@@ -18,7 +18,8 @@ from mlx_lm.generate import generate_step
 
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.models.loader import load_model
-from mlxspec.models.mtp.head import load_mtp_head, split_trunk
+from mlxspec.models.mtp import load_mtp_head
+from mlxspec.models.trunk import split_trunk
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "models"

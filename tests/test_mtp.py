@@ -13,7 +13,7 @@ from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError
 from mlxspec.models import tiny, tiny_mtp
-from mlxspec.models.mtp.head import load_mtp_head
+from mlxspec.models.mtp import load_mtp_head
 from stats_helpers import chi_square_p, exact_joint
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef"
@@ -128,7 +128,8 @@ def test_qwen3_next_head_drafts_exactly(tiny_qwen3_next):
     """Qwen3-Next (MoE trunk, its own GatedDeltaNet class)."""
     from mlx.utils import tree_flatten
 
-    from mlxspec.models.mtp.head import MTPHead, QwenMTPHead, split_trunk
+    from mlxspec.models.mtp.head import MTPHead, QwenMTPHead
+    from mlxspec.models.trunk import split_trunk
 
     model = tiny_qwen3_next
     module = QwenMTPHead(model.args, 1)

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import KVCache
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import InvalidCheckpointError
 from mlxspec.models import tiny_mtp
-from mlxspec.models.mtp.head import MTPHead, load_mtp_head, split_trunk
+from mlxspec.models.mtp import MTPHead, load_mtp_head
+from mlxspec.models.trunk import split_trunk
 from mlxspec.models.mtp.nextn import NextNHead
 
 VOCAB = 32

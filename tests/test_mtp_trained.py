@@ -13,7 +13,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models.mtp.head import load_mtp_head, split_trunk
+from mlxspec.models.mtp import load_mtp_head
+from mlxspec.models.trunk import split_trunk
 
 N_SEQ, PROMPT_LEN, GEN = 12, 8, 40
 

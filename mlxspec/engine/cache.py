@@ -19,14 +19,14 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from ..errors import DrafterError
 from ..models.gdn_tape import tape_layers
-from ..models.mtp.head import split_trunk
+from ..models.trunk import split_trunk
 
 
-def _leaves(cache) -> list:
+def cache_leaves(cache) -> list:
     out = []
     for c in cache:
         if isinstance(c, CacheList):
-            out.extend(_leaves(c.caches))
+            out.extend(cache_leaves(c.caches))
         else:
             out.append(c)
     return out
@@ -92,7 +92,7 @@ def snapshot_caches(caches: list, length: int) -> Snapshot | None:
     """The contents of CACHES (all holding ``length`` tokens); None for cache kinds it does
     not know how to copy (they are simply never cached)."""
     leaves, trimmable = [], True
-    for c in _leaves(caches):
+    for c in cache_leaves(caches):
         if isinstance(c, ArraysCache):
             leaves.append(("arrays", list(c.cache)))
             trimmable = False
@@ -113,7 +113,7 @@ def restore_caches(caches: list, snap: Snapshot, length: int) -> None:
     """Load SNAP's first ``length`` tokens into fresh CACHES of the same model."""
     if length != snap.length and not (snap.trimmable and length < snap.length):
         raise ValueError(f"a {snap.length}-token snapshot cannot serve {length} tokens")
-    for c, leaf in zip(_leaves(caches), snap.leaves, strict=True):
+    for c, leaf in zip(cache_leaves(caches), snap.leaves, strict=True):
         kind = leaf[0]
         if kind == "arrays":
             c.cache = list(leaf[1])  # forwards replace these arrays, never write into them
@@ -145,7 +145,7 @@ class ModelState:
         # (the same ops the model's own __call__ runs) and keep the hidden of the last forward.
         self._trunk = split_trunk(model) if keep_hidden else None
         self.hidden: mx.array | None = None
-        leaves = _leaves(self.cache)
+        leaves = cache_leaves(self.cache)
         self._arrays = [c for c in leaves if isinstance(c, ArraysCache)]
         self._rotating = [c for c in leaves if isinstance(c, RotatingKVCache)]
         self._trimmable = [

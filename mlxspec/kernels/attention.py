@@ -33,7 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as _base
 
-from . import active
+from .switch import active
 
 # mlx-lm's function, kept before anything rebinds the name: the fallback, and what install()
 # recognizes in a model's module.

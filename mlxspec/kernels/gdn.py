@@ -17,7 +17,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import gated_delta as _mlx_lm
 
-from . import active, int_array
+from .switch import active, int_array
 
 # Grid: x = the 32 lanes of a warp over Dk, y = value rows (ROWS warps a block), z = B * Hv.
 ROWS = 4
@@ -136,7 +136,7 @@ def supported(k: mx.array) -> bool:
     return k.shape[-1] >= 32 and k.shape[-1] % 32 == 0
 
 
-def _template(q, k, g, state):
+def kernel_template(q, k, g, state):
     # Only what sizes registers or types is compiled in; T, heads and Dv come in `dims`, so
     # one compile serves every model with the same key head size.
     return [("InT", q.dtype), ("StT", state.dtype), ("Dk", k.shape[-1]), ("Vectorized", g.ndim == 4)]
@@ -155,7 +155,7 @@ def _forward(q, k, v, g, beta, state, mask=None, with_states=False):
     shapes = [(B, T, Hv, Dv), state.shape] + ([(B, T) + state.shape[1:]] if with_states else [])
     dtypes = [q.dtype, state.dtype] + ([mx.float32] if with_states else [])
     return _kernel(mask is not None, with_states)(
-        inputs=inputs, template=_template(q, k, g, state), grid=(32, Dv, B * Hv),
+        inputs=inputs, template=kernel_template(q, k, g, state), grid=(32, Dv, B * Hv),
         threadgroup=(32, ROWS, 1), output_shapes=shapes, output_dtypes=dtypes,
     )
 

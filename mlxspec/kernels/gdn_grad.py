@@ -18,7 +18,7 @@ import functools
 
 import mlx.core as mx
 
-from .gdn import PRELUDE, ROWS, _template, dims, gated_delta_states
+from .gdn import PRELUDE, ROWS, kernel_template, dims, gated_delta_states
 
 _SOURCE = PRELUDE + """
     float ds[n_per_t];
@@ -129,7 +129,7 @@ def backward(q, k, v, g, beta, state, dy, dstate):
     f32 = mx.float32
     grads = _kernel()(
         inputs=[q, k, v, g, beta, state, states, dy, dstate, dims(k, v)],
-        template=_template(q, k, g, state),
+        template=kernel_template(q, k, g, state),
         grid=(32, Dv, B * Hv),
         threadgroup=(32, ROWS, 1),
         output_shapes=[q.shape, k.shape, v.shape, g.shape, beta.shape, state.shape],

@@ -18,7 +18,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import active, int_array
+from .switch import active, int_array
 
 MAX_ROWS = 8
 # Decode (1 row) keeps MLX's kernel, so plain decoding is stock MLX's, bit for bit: the kernel

@@ -260,7 +260,7 @@ def _verify_head(out: Path, config: dict, result: ConvertResult) -> None:
     if result.head_family == "qwen3_5":
         from mlx_lm.utils import load_model
 
-        from .mtp.head import load_mtp_head
+        from .mtp import load_mtp_head
 
         model, model_config = load_model(out, lazy=True)  # lazy: only the head is read
         if load_mtp_head(model, out, model_config) is None:

@@ -18,7 +18,7 @@ from .attention_only import fix_loaded
 
 # the files mlx-lm itself reads from a snapshot (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS); a cached
 # snapshot only has to be complete for these, not for READMEs or PyTorch weights
-_SNAPSHOT_PATTERNS = [
+SNAPSHOT_PATTERNS = [
     "*.json",
     "model*.safetensors",
     "*.py",
@@ -80,7 +80,7 @@ def hf_cache_dir() -> Path:
     return Path(os.path.expandvars(os.path.expanduser(cache)))
 
 
-def _display(path: Path) -> str:
+def display_path(path: Path) -> str:
     home = Path.home()
     try:
         return "~/" + str(path.relative_to(home))
@@ -103,13 +103,13 @@ def _from_hf_cache(repo_id: str) -> Path | None:
             repo_id,
             local_files_only=True,
             cache_dir=hf_cache_dir(),
-            allow_patterns=_SNAPSHOT_PATTERNS,
+            allow_patterns=SNAPSHOT_PATTERNS,
         )
     except (HFValidationError, LocalEntryNotFoundError):
         return None
     except IncompleteSnapshotError:
         raise ModelNotFoundError(
-            f"the cached copy of '{repo_id}' in {_display(hf_cache_dir())} is incomplete; "
+            f"the cached copy of '{repo_id}' in {display_path(hf_cache_dir())} is incomplete; "
             f"download it again (e.g. `hf download {repo_id}`)"
         ) from None
     return Path(folder)
@@ -156,7 +156,7 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
     if folder is None:
         raise ModelNotFoundError(
             f"model '{ref}' is not a local folder and is not in the Hugging Face cache "
-            f"({_display(hf_cache_dir())}); download it first (e.g. `hf download {ref}`)"
+            f"({display_path(hf_cache_dir())}); download it first (e.g. `hf download {ref}`)"
         )
     return folder, ref, False
 

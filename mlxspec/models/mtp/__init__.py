@@ -1,5 +1,52 @@
-"""Native multi-token-prediction (MTP / NextN) heads shipped inside checkpoints."""
+"""Native MTP heads: finding their weights in a checkpoint, and building the head of its family."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...errors import InvalidCheckpointError
+from ..trunk import split_trunk
+from .head import MTPHead, QwenMTPHead, text_args, to_switch_mlp
 from .weights import MTPWeights, find_mtp_weights
 
-__all__ = ["MTPWeights", "find_mtp_weights"]
+__all__ = ["MTPHead", "MTPWeights", "find_mtp_weights", "load_mtp_head"]
+
+
+def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
+    """The checkpoint's MTP head bound to ``model``'s trunk, or None when it ships none."""
+    weights = find_mtp_weights(Path(path), config)
+    if weights is None:
+        return None
+    if weights.family == "nextn":
+        from .nextn import load_nextn_head
+
+        return load_nextn_head(model, weights)
+    if weights.family != "qwen3_5":
+        raise InvalidCheckpointError(
+            f"MTP heads of the {weights.family} family are not supported yet ({weights.source})"
+        )
+    args = text_args(model)
+    module = QwenMTPHead(args, weights.num_layers)
+    tensors = {k[len("mtp."):]: v for k, v in weights.tensors.items()}
+    tensors = to_switch_mlp(tensors)
+    if weights.quantization:
+        q = weights.quantization
+        nn.quantize(
+            module,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in tensors,
+        )
+    try:
+        module.load_weights(list(tensors.items()), strict=True)
+    except ValueError as err:
+        msg = " ".join(str(err).split())[:200]
+        raise InvalidCheckpointError(f"MTP head in {weights.source} does not fit the model: {msg}")
+    module.eval()
+    mx.eval(module.parameters())
+    nbytes = sum(v.nbytes for v in weights.tensors.values())
+    return MTPHead(module, split_trunk(model), nbytes, weights.source)

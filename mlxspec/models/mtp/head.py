@@ -9,43 +9,18 @@ head's own post-norm output is recycled as ``h`` for the next draft step.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...errors import InvalidCheckpointError
+from ..trunk import Trunk
 
 QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-@dataclass
-class Trunk:
-    """A causal LM cut in two: body (tokens -> final-norm hidden) and head (hidden -> logits)."""
-
-    body: Callable
-    head: Callable
-    embed: nn.Module
-
-
-def split_trunk(model: nn.Module) -> Trunk:
-    lm = getattr(model, "language_model", model)  # qwen3_5 wraps a text model
-    body = getattr(lm, "model", None)
-    args = getattr(lm, "args", None)
-    if body is None or not hasattr(body, "embed_tokens"):
-        raise InvalidCheckpointError(f"cannot find the trunk of a {type(model).__module__} model")
-    if getattr(args, "tie_word_embeddings", False) or not hasattr(lm, "lm_head"):
-        head = body.embed_tokens.as_linear
-    else:
-        head = lm.lm_head
-    return Trunk(body=body, head=head, embed=body.embed_tokens)
-
-
-def _text_args(model: nn.Module):
+def text_args(model: nn.Module):
     lm = getattr(model, "language_model", model)
     return lm.args
 
@@ -129,42 +104,3 @@ def to_switch_mlp(tensors: dict) -> dict:
     for (p, proj), keys in groups.items():
         out[f"{p}switch_mlp.{proj}.weight"] = mx.stack([out.pop(keys[e]) for e in sorted(keys)])
     return out
-
-
-def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
-    """The checkpoint's MTP head bound to ``model``'s trunk, or None when it ships none."""
-    from .weights import find_mtp_weights
-
-    weights = find_mtp_weights(Path(path), config)
-    if weights is None:
-        return None
-    if weights.family == "nextn":
-        from .nextn import load_nextn_head
-
-        return load_nextn_head(model, weights)
-    if weights.family != "qwen3_5":
-        raise InvalidCheckpointError(
-            f"MTP heads of the {weights.family} family are not supported yet ({weights.source})"
-        )
-    args = _text_args(model)
-    module = QwenMTPHead(args, weights.num_layers)
-    tensors = {k[len("mtp."):]: v for k, v in weights.tensors.items()}
-    tensors = to_switch_mlp(tensors)
-    if weights.quantization:
-        q = weights.quantization
-        nn.quantize(
-            module,
-            group_size=q.get("group_size", 64),
-            bits=q.get("bits", 4),
-            mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in tensors,
-        )
-    try:
-        module.load_weights(list(tensors.items()), strict=True)
-    except ValueError as err:
-        msg = " ".join(str(err).split())[:200]
-        raise InvalidCheckpointError(f"MTP head in {weights.source} does not fit the model: {msg}")
-    module.eval()
-    mx.eval(module.parameters())
-    nbytes = sum(v.nbytes for v in weights.tensors.values())
-    return MTPHead(module, split_trunk(model), nbytes, weights.source)

@@ -37,7 +37,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ...errors import InvalidCheckpointError
-from .head import MTPHead, Trunk, to_switch_mlp, split_trunk
+from ..trunk import Trunk, split_trunk
+from .head import MTPHead, to_switch_mlp
 
 # the layer's own tensors; everything else belongs to the decoder block
 OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
