@@ -119,7 +119,7 @@ def time_model(model, L: int, prefill: int, calls: int, warmup: int, vocab: int)
 
 
 def part_model(shape: str, prefill: int, calls: int, warmup: int) -> dict:
-    from mlxspec.models.synthetic import random_model, vocab_size
+    from mlxspec.bench.synthetic import random_model, vocab_size
 
     model = random_model(shape, bits=4)  # installs the kernels where they are active
     vocab = vocab_size(shape)

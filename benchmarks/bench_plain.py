@@ -28,7 +28,7 @@ from mlxspec.models import tiny  # noqa: E402
 from mlxspec.models.loader import LoadedModel  # noqa: E402
 
 # the random-weight models of real shapes live in the package (also used by `mlxspec bench --sweep`)
-from mlxspec.models.synthetic import random_model  # noqa: E402
+from mlxspec.bench.synthetic import random_model  # noqa: E402
 
 
 def decode_tps(stamps: list[float]) -> float:

@@ -17,7 +17,7 @@ import time
 
 import mlx.core as mx
 
-from mlxspec.bench_real import Cell, ShapeBench
+from mlxspec.bench.real_shapes import Cell, ShapeBench
 from mlxspec.engine import cache, speculate
 from mlxspec.engine.drafters import mtp
 

@@ -90,7 +90,7 @@ def _progress(label: str):
 
 
 def _outputs(docs, json_path, png_path) -> None:
-    from .bench_report import render, write_chart, write_json
+    from .bench.report import render, write_chart, write_json
 
     for doc in docs:
         render(doc, _stdout_console())
@@ -219,7 +219,7 @@ def bench(
         if from_json:
             _check(json_path is None and sweep is None and model is None and not chat,
                    "--from-json only redraws saved results: give no MODEL, --sweep, --chat or --json")
-            from .bench_report import check_matplotlib, read_json
+            from .bench.report import check_matplotlib, read_json
 
             docs = [read_json(path) for path in from_json]
             if png_path:
@@ -233,7 +233,7 @@ def bench(
         _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
         _check(max_tokens is None or max_tokens >= 1, f"--max-tokens must be at least 1, got {max_tokens}")
         if png_path:
-            from .bench_report import check_matplotlib
+            from .bench.report import check_matplotlib
 
             check_matplotlib()  # before minutes of measuring, not after
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
@@ -250,9 +250,9 @@ def bench(
             _check(model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL or --draft-model")
             _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-            from .bench import parse_list
-            from .bench_real import WORKLOADS, parse_shapes, run_real_shapes
-            from .bench_report import real_shapes_document
+            from .bench.prompts import parse_list
+            from .bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
+            from .bench.report import real_shapes_document
 
             shapes = parse_shapes(real_shapes)
             chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
@@ -264,7 +264,7 @@ def bench(
 
             def save_partial(result):  # the repetitions done survive a run stopped later
                 if json_path:
-                    from .bench_report import write_json
+                    from .bench.report import write_json
 
                     write_json(real_shapes_document(result), json_path)
 
@@ -286,8 +286,8 @@ def bench(
 
             _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
                    "machine is not running MLX's CUDA backend, where they are never on")
-            from .bench_report import sweep_document
-            from .bench_sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
+            from .bench.report import sweep_document
+            from .bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
 
             shapes = list(DEFAULT_SHAPES) if sweep.strip() == "all" else parse_shapes(sweep)
             with _progress("sweep") as on_step:
@@ -296,7 +296,7 @@ def bench(
             _outputs([sweep_document(result)], json_path, png_path)
             return
 
-        from .bench import Bench, Options, load_workloads, parse_engines, parse_list
+        from .bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
 
         chosen = parse_engines(engines)
         sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
@@ -307,7 +307,7 @@ def bench(
             if draft_model is None and DEFAULT_DRAFT.is_dir():
                 draft_model = str(DEFAULT_DRAFT)
         from .api import load
-        from .bench_report import bench_document
+        from .bench.report import bench_document
         from .hub import expand_alias
 
         console = _stderr_console()
@@ -322,7 +322,7 @@ def bench(
         runner = Bench(spec, sets, chosen, options)
         for engine, why in runner.skipped.items():
             _note(f"skipping {engine}: {why}")
-        from .bench_report import write_json
+        from .bench.report import write_json
 
         def save_partial(result):  # the first pass survives a run stopped during the second
             if json_path:
@@ -339,8 +339,8 @@ def bench(
 def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, max_tokens, reps, bits,
               dtype, json_path, png_path) -> None:
     """``bench --chat``: flags checked, then MODEL or each random shape through run_chat."""
-    from .bench_chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
-    from .bench_report import model_info, chat_document
+    from .bench.chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
+    from .bench.report import model_info, chat_document
 
     turns = 5 if turns is None else turns
     answer = 64 if max_tokens is None else max_tokens
@@ -362,7 +362,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
         _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
         _check(drafter in ("pld", "none"), f"--drafter with --chat-shapes must be pld or none "
                                            f"(random models have no MTP head or draft model); got {drafter}")
-        from .bench_sweep import parse_shapes
+        from .bench.sweep import parse_shapes
 
         names = parse_shapes(shapes, "--chat-shapes")
         config = plan(4096 if context is None else context)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mlxspec import cli
 from mlxspec.api import load
-from mlxspec.bench import ENGINES, Bench, Options, WorkloadError, load_workloads, parse_engines
+from mlxspec.bench.prompts import ENGINES, Bench, Options, WorkloadError, load_workloads, parse_engines
 
 ROOT = Path(__file__).resolve().parents[1]
 # repeats itself, so prompt lookup drafts from the first step

@@ -8,10 +8,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxspec import cli
-from mlxspec.bench_chat import (LOW_ID, check_plan, default_user_tokens, first_block, run_chat,
+from mlxspec.bench.chat import (LOW_ID, check_plan, default_user_tokens, first_block, run_chat,
                                 summarize, user_blocks)
 from mlxspec.errors import UsageError
-from mlxspec.models.synthetic import random_model, vocab_size
+from mlxspec.bench.synthetic import random_model, vocab_size
 
 TURNS, CONTEXT, USER, ANSWER, REPS = 3, 240, 32, 8, 2
 

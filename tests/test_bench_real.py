@@ -9,10 +9,10 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from mlxspec import cli
-from mlxspec.bench_real import Cell, plan, run_real_shapes
-from mlxspec.bench_script import ScriptedLogits, SteeredLookup, make_script, parse_workload
+from mlxspec.bench.real_shapes import Cell, plan, run_real_shapes
+from mlxspec.bench.script import ScriptedLogits, SteeredLookup, make_script, parse_workload
 from mlxspec.errors import UsageError
-from mlxspec.models.synthetic import random_model, random_mtp_head
+from mlxspec.bench.synthetic import random_model, random_mtp_head
 
 
 def test_scripts_have_the_promised_shape():

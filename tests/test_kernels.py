@@ -195,7 +195,7 @@ def test_swap_follows_the_timing_and_falls_back_when_off(monkeypatch):
 
 
 def test_sweep_times_each_shape_with_the_kernels_off_too(monkeypatch):
-    from mlxspec.bench_sweep import run_sweep
+    from mlxspec.bench.sweep import run_sweep
 
     monkeypatch.delenv(kernels.ENV, raising=False)
     seen = []

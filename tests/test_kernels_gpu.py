@@ -156,7 +156,7 @@ def test_small_m_qmm_matches_mlx(bits, group_size, dtype):
 
 
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):
-    from mlxspec.models.synthetic import random_model
+    from mlxspec.bench.synthetic import random_model
 
     model = random_model("smoke-hybrid", bits=4)  # installs the kernels
     swapped = [m for _, m in model.named_modules() if isinstance(m, qmm.SmallMQuantizedLinear)]

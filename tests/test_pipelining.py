@@ -5,13 +5,13 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
-from mlxspec.bench_script import ScriptedLogits, SteeredLookup, make_script
+from mlxspec.bench.script import ScriptedLogits, SteeredLookup, make_script
 from mlxspec.engine import speculate
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.gates import AheadGate
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models.synthetic import random_model
+from mlxspec.bench.synthetic import random_model
 
 from test_exactness import PROMPTS, greedy_reference
 

@@ -12,8 +12,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .bench import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
-from .errors import MlxspecError, UsageError
+from .prompts import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
+from ..errors import MlxspecError, UsageError
 
 PNG_HINT = 'the chart needs matplotlib: pip install "mlxspec[bench]"'
 
@@ -22,7 +22,7 @@ def environment() -> dict:
     """Versions, device and the exact command line of this process."""
     import mlx.core as mx
 
-    from . import __version__
+    from .. import __version__
 
     try:
         import mlx_lm
@@ -34,8 +34,8 @@ def environment() -> dict:
         info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float, bool))}
     except Exception:  # not every backend describes its device
         info = {}
-    from .kernels import ENV, active
-    from .kernels.qmm import decisions
+    from ..kernels import ENV, active
+    from ..kernels.qmm import decisions
 
     return {
         "mlxspec": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
@@ -99,7 +99,7 @@ def real_shapes_document(result: dict) -> dict:
 
 def chat_document(models: list[dict], config: dict) -> dict:
     """The JSON of ``bench --chat``: the plan (config) and, per model, every run and the
-    per-turn medians (:func:`mlxspec.bench_chat.run_chat`)."""
+    per-turn medians (:func:`mlxspec.bench.chat.run_chat`)."""
     return {"schema": SCHEMA, "kind": "chat", "environment": environment(),
             "chat": {"config": config, "models": models}}
 
@@ -204,7 +204,7 @@ def render(doc: dict, console) -> None:
 
         console = Console(file=console.file, width=160, highlight=False, color_system=None)
     if doc["kind"] == "sweep":
-        from .bench_sweep import sweep_table
+        from .sweep import sweep_table
 
         console.print(sweep_table(doc["sweep"]))
         return
@@ -213,7 +213,7 @@ def render(doc: dict, console) -> None:
             console.print(chat_table(doc, m))
         return
     if doc["kind"] == "real_shapes":
-        from .bench_real import real_shapes_table
+        from .real_shapes import real_shapes_table
 
         for shape in dict.fromkeys(c["shape"] for c in doc["cells"]):
             console.print(real_shapes_table(doc, shape))
@@ -265,8 +265,8 @@ def write_chart(docs: list[dict], path: str) -> None:
     check_matplotlib()
     from matplotlib.figure import Figure
 
-    from .bench_chat import chat_chart
-    from .bench_sweep import sweep_chart
+    from .chat import chat_chart
+    from .sweep import sweep_chart
 
     def parts(doc):
         if doc["kind"] == "bench":
@@ -280,7 +280,7 @@ def write_chart(docs: list[dict], path: str) -> None:
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (doc, p) in zip(axes, panels):
         if doc["kind"] == "real_shapes":
-            from .bench_real import real_shapes_chart
+            from .real_shapes import real_shapes_chart
 
             real_shapes_chart(doc, p, ax)
         elif doc["kind"] == "chat":

@@ -1,5 +1,5 @@
 """``mlxspec bench --real-shapes``: the engines on random-weight models of real shapes, with
-scripted outputs (:mod:`mlxspec.bench_script`), so speed is measured on the path users take
+scripted outputs (:mod:`mlxspec.bench.script`), so speed is measured on the path users take
 (bf16 activations, quantized weights, a KV cache growing token by token) and every output is
 known in advance.
 
@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from .errors import UsageError
+from ..errors import UsageError
 
 WORKLOADS = ("echo", "novel", "scripted-a0.8", "scripted-a0.6", "scripted-a1.0")
 DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.6-27b", "qwen3.6-35b-a3b")
@@ -66,7 +66,7 @@ def plan(workloads, dense: bool, depths, temperature: float | None) -> list[Cell
 
 
 def parse_shapes(text: str) -> list[str]:
-    from .models.synthetic import SHAPES
+    from .synthetic import SHAPES
 
     if text.strip() == "all":
         return list(DEFAULT_SHAPES)
@@ -87,7 +87,7 @@ def forward_ms(model, widths, context: list[int], reps: int) -> dict[int, float]
     grows as in generation: every forward is kept, so each sees a new key length."""
     import mlx.core as mx
 
-    from .engine.cache import ModelState
+    from ..engine.cache import ModelState
 
     state = ModelState(model)
     state.prefill(context)
@@ -142,10 +142,10 @@ class ShapeBench:
 
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
-        from .bench_script import ScriptedLogits, make_script
-        from .engine.cache import model_nbytes
-        from .engine.costs import measure_verify_cost
-        from .models.synthetic import MOE, random_model, random_mtp_head, shape_config, vocab_size
+        from .script import ScriptedLogits, make_script
+        from ..engine.cache import model_nbytes
+        from ..engine.costs import measure_verify_cost
+        from .synthetic import MOE, random_model, random_mtp_head, shape_config, vocab_size
 
         say = on_step or (lambda *a: None)
         self.shape, self.max_tokens, self.seed = shape, max_tokens, seed
@@ -210,10 +210,10 @@ class ShapeBench:
                    from_draft=from_draft if cell.engine == "mlx-lm-draft" else None)
 
     def _drafter(self, engine: str, script):
-        from .bench_script import SteeredLookup, SteeredMTP
-        from .engine.drafters.draft_model import DraftModelDrafter
-        from .engine.drafters.mtp import MTPDrafter
-        from .engine.drafters.pld import PromptLookupDrafter
+        from .script import SteeredLookup, SteeredMTP
+        from ..engine.drafters.draft_model import DraftModelDrafter
+        from ..engine.drafters.mtp import MTPDrafter
+        from ..engine.drafters.pld import PromptLookupDrafter
 
         steered = script.acceptance is not None
         if engine == "mlxspec-pld":
@@ -227,8 +227,8 @@ class ShapeBench:
         return "none"
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
-        from .engine.sampling import SamplingParams
-        from .engine.speculate import SpeculativeDecoder
+        from ..engine.sampling import SamplingParams
+        from ..engine.speculate import SpeculativeDecoder
 
         forced = cell.depth is not None
         dec = SpeculativeDecoder(self.model, drafter=self._drafter(cell.engine, script), depth=cell.depth,
@@ -275,7 +275,7 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
     ``on_partial(result)`` gets the cells so far after each repetition (to save them)."""
     import mlx.core as mx
 
-    from .bench_script import parse_workload
+    from .script import parse_workload
 
     for w in workloads:
         parse_workload(w)

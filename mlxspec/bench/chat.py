@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SEED = 0
 LOW_ID = 10  # user-block ids are drawn from [LOW_ID, vocab): clear of special low ids
@@ -85,7 +85,7 @@ def _fresh() -> None:
 def _engine(model, prompt, answer_tokens, prefix_cache, decoder_kwargs) -> dict:
     """One engine run at temperature 0, timed from the caller's side: time to the first token,
     the tokens, and how many prompt tokens came from the cache."""
-    from .engine.speculate import SpeculativeDecoder
+    from ..engine.speculate import SpeculativeDecoder
 
     _fresh()
     decoder = SpeculativeDecoder(model, **decoder_kwargs)
@@ -120,7 +120,7 @@ def run_chat(model, *, turns: int = 5, context: int = 4096, user_tokens: int = 2
              mtp_head=None) -> dict:
     """Time every turn of the conversation ``reps`` times (a fresh prefix cache each time) after
     an untimed warm-up; return the raw runs and, per turn, their medians."""
-    from .engine.prefix_cache import PrefixCache
+    from ..engine.prefix_cache import PrefixCache
 
     check_plan(turns, context, user_tokens, answer_tokens)
     if reps < 1:
@@ -191,8 +191,8 @@ def run_chat_shapes(shapes, *, bits: int = 4, dtype: str | None = None, on_step=
     before the next is built."""
     import mlx.core as mx
 
-    from .engine.cache import model_nbytes
-    from .models.synthetic import random_model, shape_config, vocab_size
+    from ..engine.cache import model_nbytes
+    from .synthetic import random_model, shape_config, vocab_size
 
     results = []
     for shape in shapes:

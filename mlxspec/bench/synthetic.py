@@ -157,8 +157,8 @@ def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int
     layout at the trunk's sizes."""
     from mlx_lm.models.qwen3_5 import TextModelArgs
 
-    from .mtp.head import MTPHead, QwenMTPHead
-    from .trunk import split_trunk
+    from ..models.mtp.head import MTPHead, QwenMTPHead
+    from ..models.trunk import split_trunk
 
     config = shape_config(shape)
     text = dict(config.get("text_config", config))

@@ -1,5 +1,5 @@
 """``mlxspec bench --sweep``: what a forward of 1..N tokens costs over a warm cache, on random
-weights in the shapes of real checkpoints (:mod:`mlxspec.models.synthetic`).
+weights in the shapes of real checkpoints (:mod:`mlxspec.bench.synthetic`).
 
 This is the verify-cost curve speculation lives on: a verify of k drafts is a forward of k+1
 tokens, and it pays when k+1 tokens cost little more than one.
@@ -10,13 +10,13 @@ from __future__ import annotations
 import statistics
 import time
 
-from .errors import UsageError
+from ..errors import UsageError
 
 DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.5-9b-like", "qwen3.6-27b")
 
 
 def parse_shapes(text: str, flag: str = "--sweep") -> list[str]:
-    from .models.synthetic import SHAPES
+    from .synthetic import SHAPES
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     if not names:
@@ -38,10 +38,10 @@ def run_sweep(shapes, *, bits: int = 4, max_tokens: int = 16, context: int = 256
 
     import mlx.core as mx
 
-    from .engine.cache import model_nbytes
-    from .engine.costs import verify_times
-    from .kernels import switched_off
-    from .models.synthetic import random_model, shape_config, vocab_size
+    from ..engine.cache import model_nbytes
+    from ..engine.costs import verify_times
+    from ..kernels import switched_off
+    from .synthetic import random_model, shape_config, vocab_size
 
     if max_tokens < 1:
         raise UsageError(f"--sweep-tokens must be at least 1, got {max_tokens}")

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import MlxspecError, UsageError
+from ..errors import MlxspecError, UsageError
 
 ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-draft",
            "mlxspec-mtp", "mlxspec-auto")

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .engine.drafters.base import Draft
-from .engine.drafters.mtp import MTPDrafter
-from .engine.drafters.pld import PromptLookupDrafter
-from .errors import UsageError
+from ..engine.drafters.base import Draft
+from ..engine.drafters.mtp import MTPDrafter
+from ..engine.drafters.pld import PromptLookupDrafter
+from ..errors import UsageError
 
 HOT = 30.0  # the scripted token's logit over 0 elsewhere: one-hot even at temperature 0.7
 EDIT_EVERY = 25
