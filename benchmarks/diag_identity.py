@@ -14,9 +14,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from benchmarks.bench_plain import random_model  # noqa: E402
 from mlxspec.engine.speculate import SpeculativeDecoder  # noqa: E402
-from mlxspec.models import tiny  # noqa: E402
+import tiny  # noqa: E402  (tests/tiny.py: the toy-checkpoint builders)
 
 
 def first_diff(x, y):

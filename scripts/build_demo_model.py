@@ -34,8 +34,9 @@ from mlx.utils import tree_flatten
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
-from mlxspec.models import tiny  # noqa: E402
+import tiny  # noqa: E402  (tests/tiny.py: the toy-checkpoint builders)
 
 DEFAULT_OUT = REPO / "mlxspec" / "assets" / "demo"
 MODEL_SIZES = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -220,7 +221,7 @@ machine. It is a toy: it writes Python-looking code, not correct programs.
   {f['num_attention_heads']} query heads / {f['num_key_value_heads']} KV heads of {f['head_dim']}, MLP {f['intermediate_size']},
   tied embeddings; {f['params']:,} parameters, stored in bfloat16 ({f['weights_bytes'] / 1e6:.1f} MB).
 - Tokenizer: byte-level BPE, {f['vocab_size']} tokens, trained on the same corpus
-  (`mlxspec.models.tiny.train_tokenizer`), ChatML template, EOS `<|im_end|>`.
+  (`train_tokenizer` in tests/tiny.py), ChatML template, EOS `<|im_end|>`.
 - Corpus: {f['n_files']} top-level standard-library modules of Python {f['python']}
   (sorted by name, up to {f['max_bytes'] / 1e6:.1f} MB; every 10th file held out), wrapped in
   ChatML turns: "Write a Python function that <docstring>" / "... named <name>" /

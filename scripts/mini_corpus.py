@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlxspec.models.tiny import PAD_TOKEN, train_tokenizer  # noqa: E402  (numpy-only module)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny import PAD_TOKEN, train_tokenizer  # noqa: E402  (numpy-only module)
 
 HELD_OUT_EVERY = 50  # one file in this many (by content hash) is held out
 MIN_BYTES, MAX_BYTES = 256, 256 * 1024

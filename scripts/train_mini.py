@@ -37,8 +37,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mini_corpus  # noqa: E402
-from mlxspec.models.tiny import (  # noqa: E402  (numpy-only module)
+from tiny import (  # noqa: E402  (numpy-only module)
     EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILES, make_config, tokenizer_info, write_config_files,
 )
 

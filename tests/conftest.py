@@ -2,7 +2,7 @@
 
 import pytest
 
-from mlxspec.models import tiny
+import tiny
 
 SHARED_VOCAB = 512
 

@@ -17,7 +17,7 @@ from mlxspec.engine import speculate as speculate_mod
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept_sampled
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models import tiny
+import tiny
 from stats_helpers import chi_square_p, exact_joint
 
 ALPHA = 1e-3  # false-alarm rate of each chi-square test

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models import tiny
+import tiny
 
 N_TOKENS = 48
 PROMPTS = [

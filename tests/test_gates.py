@@ -9,7 +9,7 @@ from mlxspec.engine.drafters.pld import PromptLookupDrafter, repetition_score
 from mlxspec.engine.gates import AcceptanceModel, CostModel, SpeculationGate
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models import tiny
+import tiny
 
 NOVEL_PROMPT = "The quick brown fox jumps over the lazy dog."
 

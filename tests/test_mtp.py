@@ -12,7 +12,8 @@ import mlxspec
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError
-from mlxspec.models import tiny, tiny_mtp
+import tiny
+import tiny_mtp
 from mlxspec.models.mtp import load_mtp_head
 from stats_helpers import chi_square_p, exact_joint
 

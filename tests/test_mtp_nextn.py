@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import InvalidCheckpointError
-from mlxspec.models import tiny_mtp
+import tiny_mtp
 from mlxspec.models.mtp import MTPHead, load_mtp_head
 from mlxspec.models.trunk import split_trunk
 from mlxspec.models.mtp.nextn import NextNHead

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mlxspec.errors import InvalidCheckpointError
-from mlxspec.models import tiny, tiny_mtp
+import tiny
+import tiny_mtp
 from mlxspec.models.mtp import MTPWeights, find_mtp_weights
 
 VOCAB = 32

@@ -186,3 +186,19 @@ def test_install_paths_are_documented():
         assert command in readme, command
     checklist = (ROOT / "docs" / "releasing.md").read_text()
     assert "scripts/update_formula.py" in checklist and "CHANGELOG" in checklist
+
+
+def test_the_wheel_holds_the_product_only(tmp_path):
+    """Built from this tree, the wheel has the package and its assets, and none of the test
+    checkpoint builders (they live in tests/)."""
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(root)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("mlxspec-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mlxspec/engine/speculate.py" in names and "mlxspec/assets/demo/model.safetensors" in names
+    assert not [n for n in names if n.startswith("tests/") or n.split("/")[-1] in ("tiny.py", "tiny_mtp.py",
+                                                                                  "conftest.py")]

@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from safetensors import safe_open
 
-from mlxspec.models import tiny
+import tiny
 
 ALL_FIXTURES = ["tiny_llama", "tiny_qwen3", "tiny_qwen3_draft", "tiny_swa", "tiny_qwen3_5",
                 "tiny_vocab8", "tiny_mismatched_vocab"]
