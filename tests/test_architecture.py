@@ -7,17 +7,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlxspec"
 
-# Still to break up by the redesign: the CLI modules import the app and helpers back from
-# cli.py, and the server's API modules share types through app.py.
+# Still to break up by the redesign: the server's API modules share types through app.py.
 KNOWN_CIRCLES = {
-    frozenset({"mlxspec.cli", "mlxspec.cli_bench", "mlxspec.cli_chat", "mlxspec.cli_machine",
-               "mlxspec.cli_serve"}),
     frozenset({"mlxspec.server.anthropic", "mlxspec.server.app", "mlxspec.server.openai"}),
     # the forward's VJP reaches the backward kernel, which reuses the forward's pieces; the
     # backward (training only) is to leave the installed package
     frozenset({"mlxspec.kernels.gdn", "mlxspec.kernels.gdn_grad"}),
 }
-KNOWN_PRIVATE_FROM = {"mlxspec.cli", "mlxspec.cli_machine"}  # the CLI's shared helpers
+KNOWN_PRIVATE_FROM: set[str] = set()
 
 
 def _modules() -> dict[str, Path]:

@@ -104,10 +104,10 @@ def test_bad_values_are_one_line(cfg, monkeypatch, text, env, fragment):
 
 
 def test_preset_from_the_file_reaches_run(cfg, monkeypatch):
-    from mlxspec import cli_machine
+    from mlxspec.cli import machine as cli_machine
 
     seen = []
-    monkeypatch.setattr(cli_machine, "_prepare_run", lambda preset, model, drafter, draft_model, *rest:
+    monkeypatch.setattr(cli_machine, "prepare_run", lambda preset, model, drafter, draft_model, *rest:
                         seen.append(preset) or (drafter, draft_model, {}))
     monkeypatch.setattr("mlxspec.api.load", lambda *a, **k: (_ for _ in ()).throw(MlxspecError("stop")))
     cfg.write_text('preset = "pld"\n')

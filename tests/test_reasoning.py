@@ -14,7 +14,8 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from mlxspec import api, cli, cli_chat
+from mlxspec import api, cli
+from mlxspec.cli import chat as cli_chat
 from mlxspec.engine.stats import Stats
 from mlxspec.reasoning import MODES, ReasoningSplitter, split, starts_in_reasoning, template_kwargs
 from mlxspec.server.app import Settings, create_app
@@ -438,7 +439,7 @@ def test_terminal_shows_reasoning_dimmed(fake, monkeypatch, live):
     from rich.console import Console
 
     buffer = io.StringIO()
-    monkeypatch.setattr(cli_chat, "_stdout_console",
+    monkeypatch.setattr(cli_chat, "stdout_console",
                         lambda: Console(file=buffer, force_terminal=True, color_system="standard", width=60))
     spec = fake("<think>\nhmm, greet\n</think>\n\nHello!")
     answer = cli_chat.Answer(live).stream(spec, "p", {})

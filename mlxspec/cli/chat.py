@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from .cli import _error, _note, _show_stats, _stdout_console
-from .errors import MlxspecError
+from .console import print_error, print_note, print_stats, stdout_console
+from ..errors import MlxspecError
 
 
 def starts_in_reasoning(spec, prompt, options: dict) -> bool:
     """Whether the model's text starts inside ``<think>`` (the prompt opened it, as Qwen3.5/3.6's
     templates do when thinking is on)."""
-    from .reasoning import starts_in_reasoning as tail_opens
+    from ..reasoning import starts_in_reasoning as tail_opens
 
     ids = spec.encode(prompt, system=options.get("system"), raw=options.get("raw", False),
                       template_kwargs=options.get("template_kwargs"))
@@ -34,19 +34,19 @@ class Answer:
         self.reasoning = ""
         self.stats = None
         self.interrupted = False
-        self._styled = live or _stdout_console().is_terminal
+        self._styled = live or stdout_console().is_terminal
         self._shown = None  # kind of the last piece shown on a terminal
         self._open_tag = False  # piped: "<think>\n" still to print before the model's text
         self._tail = ""  # last character printed without the live view
 
     def stream(self, spec, prompt, options: dict) -> "Answer":
-        from .reasoning import ReasoningSplitter
-        from .ui import StreamView
+        from ..reasoning import ReasoningSplitter
+        from ..ui import StreamView
 
         in_reasoning = starts_in_reasoning(spec, prompt, options)
         splitter = ReasoningSplitter(in_reasoning)
         self._open_tag = in_reasoning and not self.hide  # the prompt wrote it; piped text shows it
-        view = StreamView(_stdout_console()) if self.live else None
+        view = StreamView(stdout_console()) if self.live else None
         # a long prompt's prefill shows its progress in the status line
         chunks = spec.stream(prompt, **options, **({"on_prefill": view.prefill} if view else {}))
         try:
@@ -95,7 +95,7 @@ class Answer:
             return
         from rich.text import Text
 
-        _stdout_console().print(Text(text, style=style or ""), end="", soft_wrap=True)
+        stdout_console().print(Text(text, style=style or ""), end="", soft_wrap=True)
         self._tail = text[-1:] or self._tail
 
     def _write(self, text: str) -> None:
@@ -113,14 +113,14 @@ def chat(spec, options: dict, show_stats: bool, live: bool, hide_reasoning: bool
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  line editing and history for input()
 
-    _note(f"chatting with {spec.name}; {CHAT_HELP}")
+    print_note(f"chatting with {spec.name}; {CHAT_HELP}")
     history: list[dict] = []
     last_stats = None
     while True:
         try:
             line = input(">>> ")
         except (EOFError, KeyboardInterrupt):
-            _note("")
+            print_note("")
             return
         command = line.strip()
         if not command:
@@ -129,29 +129,29 @@ def chat(spec, options: dict, show_stats: bool, live: bool, hide_reasoning: bool
             return
         if command == "/reset":
             history.clear()
-            _note("conversation cleared")
+            print_note("conversation cleared")
             continue
         if command == "/stats":
             if last_stats is None:
-                _note("no answer yet")
+                print_note("no answer yet")
             else:
-                _show_stats(last_stats, table=True)
+                print_stats(last_stats, table=True)
             continue
         if command.startswith("/"):
-            _note(f"unknown command {command.split()[0]}; {CHAT_HELP}")
+            print_note(f"unknown command {command.split()[0]}; {CHAT_HELP}")
             continue
         history.append({"role": "user", "content": line})
         try:
             answer = Answer(live, hide_reasoning).stream(spec, list(history), options)
         except MlxspecError as err:
             history.pop()
-            _error(str(err))
+            print_error(str(err))
             continue
         if answer.interrupted:
-            _note("[stopped]")
+            print_note("[stopped]")
         # a stopped answer stays in the history: it is what the user saw. Only the answer:
         # chat templates drop past turns' reasoning anyway
         history.append({"role": "assistant", "content": answer.text})
         last_stats = answer.stats or last_stats
         if show_stats:
-            _show_stats(answer.stats, table=False)
+            print_stats(answer.stats, table=False)

@@ -10,13 +10,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app, complete_model
-from .config import user_config_path
-from .errors import MlxspecError, UsageError
+from .app import app
+from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
+from ..config import user_config_path
+from ..errors import MlxspecError, UsageError
 
 # -- the convert command -----------------------------------------------------
 
-CONVERT_HELP = _help("""
+CONVERT_HELP = help_text("""
 Convert the Hugging Face checkpoint HF_PATH to MLX in OUT, keeping its MTP head.
 
 The trunk goes through mlx-lm's own converter (same weights, config and tokenizer files as
@@ -49,10 +50,10 @@ def convert(
     force: Annotated[bool, typer.Option(
         "--force", help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
-    with _user_errors():
-        from .models.convert import convert_checkpoint, human_size
+    with user_errors():
+        from ..models.convert import convert_checkpoint, human_size
 
-        console = _stderr_console()
+        console = stderr_console()
         status = console.status("starting…", spinner="dots") if console.is_terminal else None
         with status if status else contextlib.nullcontext():
             result = convert_checkpoint(
@@ -60,7 +61,7 @@ def convert(
                 mtp_bits=mtp_bits, force=force,
                 on_step=(lambda message: status.update(message + "…")) if status else None)
         for note in result.notes:
-            _note(note)
+            print_note(note)
         trunk = f"{result.q_bits}-bit (group {result.q_group_size})" if result.q_bits else (result.dtype or "unquantized")
         if result.head_kept:
             layers = f"{result.head_layers} layer{'s' * (result.head_layers != 1)}"
@@ -75,7 +76,7 @@ def convert(
 
 # -- the tune command --------------------------------------------------------
 
-TUNE_HELP = _help("""
+TUNE_HELP = help_text("""
 Measure on this machine what speculation costs and gains with MODEL, and store it.
 
 It times a verify forward of 1 to 16 tokens and one draft step of each drafter (prompt lookup,
@@ -100,14 +101,14 @@ def tune(
     json_out: Annotated[bool, typer.Option(
         "--json", help="Print the stored result as JSON instead of tables.")] = False,
 ) -> None:
-    with _user_errors():
+    with user_errors():
         if max_tokens < 1:
             raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
-        from .api import load
-        from .hub import expand_alias
-        from .tune import render, run_tune
+        from ..api import load
+        from ..hub import expand_alias
+        from ..tune import render, run_tune
 
-        console = _stderr_console()
+        console = stderr_console()
         if console.is_terminal:
             with console.status("loading model…", spinner="dots"):
                 spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
@@ -131,9 +132,9 @@ def tune(
             sys.stdout.write(json.dumps(result) + "\n")
             sys.stdout.flush()
             return
-        out = _stdout_console()
+        out = stdout_console()
         render(result, out, chart=out.is_terminal and out.encoding.lower().startswith("utf"))
-        _note(f"saved to {result['path']}")
+        print_note(f"saved to {result['path']}")
 
 
 # -- the config command ------------------------------------------------------
@@ -148,8 +149,8 @@ app.add_typer(config_app, name="config")
 def config_show(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    with _user_errors():
-        from .config import SETTINGS, aliases, settings_with_sources
+    with user_errors():
+        from ..config import SETTINGS, aliases, settings_with_sources
 
         effective = settings_with_sources()
         table = {name: {"value": value, "source": source, "env": SETTINGS[name][2],
@@ -171,7 +172,7 @@ def config_show(
                          f"${row['env']} / {row['key']}")
         for name, ref in found.items():
             view.add_row(f"alias {name}", ref, "file", f"aliases.{name}")
-        _stdout_console().print(view)
+        stdout_console().print(view)
 
 
 @config_app.command("path", help="The config file's path (it may not exist yet).")
@@ -181,7 +182,7 @@ def config_path() -> None:
 
 # -- the pull, list and rm commands (model cache) ------------------------------
 
-PULL_HELP = _help("""
+PULL_HELP = help_text("""
 Download MODEL into the Hugging Face cache, where `mlxspec run`, mlx-lm and other tools find it.
 
 MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxspec list
@@ -192,10 +193,10 @@ HF_ENDPOINT and HF_HUB_OFFLINE are honoured.
 """)
 
 
-def _pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
-    from . import hub
+def pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
+    from .. import hub
 
-    console = _stderr_console()
+    console = stderr_console()
     if not console.is_terminal:
         return hub.pull(model, revision=revision, include_mtp=include_mtp)
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
@@ -237,10 +238,10 @@ def pull(
         "--include-mtp/--no-include-mtp", help="Also fetch an MTP head sidecar (mtp.safetensors, "
                                                "mtp/*.safetensors, model-mtp.safetensors).")] = True,
 ) -> None:
-    with _user_errors():
-        from .hub import human_size
+    with user_errors():
+        from ..hub import human_size
 
-        result = _pull_with_progress(model, revision, include_mtp)
+        result = pull_with_progress(model, revision, include_mtp)
         what = ("already in the cache" if result.already_cached else
                 f"downloaded {result.files} file{'s' * (result.files != 1)}, {human_size(result.downloaded_bytes)}")
         pin = f"@{result.revision}" if result.revision != "main" else ""
@@ -261,7 +262,7 @@ def _list_table(rows: list) -> None:
                       f"{quant['bits']}-bit/g{quant['group_size']}" if quant else "-",
                       "yes" if row["mtp"] else "-",
                       f"{row['context_length']:,}" if isinstance(row["context_length"], int) else "?")
-    _stdout_console().print(table)
+    stdout_console().print(table)
 
 
 @app.command(name="list")
@@ -271,8 +272,8 @@ def list_models(
         "--catalog", help="List the aliases `mlxspec pull` knows instead of the cached models.")] = False,
 ) -> None:
     """List the models in the Hugging Face cache: size, architecture, quantization, MTP head, context."""
-    with _user_errors():
-        from . import hub
+    with user_errors():
+        from .. import hub
 
         if show_catalog:
             rows = [{"alias": e.alias, "repo_id": e.repo, "mtp": e.mtp, "draft": e.draft, "note": e.note}
@@ -288,7 +289,7 @@ def list_models(
         if json_out:
             sys.stdout.write(json.dumps(rows) + "\n")
         elif not rows:
-            _note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
+            print_note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
                   "download one with `mlxspec pull MODEL`")
         else:
             _list_table(rows)
@@ -302,8 +303,8 @@ def remove_model(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Remove MODEL (every cached revision) from the Hugging Face cache."""
-    with _user_errors():
-        from .hub import human_size, plan_removal
+    with user_errors():
+        from ..hub import human_size, plan_removal
 
         plan = plan_removal(model)
         if not yes:
@@ -318,7 +319,7 @@ def remove_model(
 
 # -- the profile command and --preset ----------------------------------------
 
-PROFILE_HELP = _help("""
+PROFILE_HELP = help_text("""
 Show this machine: chip, CPU/GPU cores, memory, MLX's recommended working set, memory bandwidth,
 OS and MLX versions. With MODEL (and --draft-model), also what `--preset auto` would choose for
 it and why.
@@ -333,9 +334,9 @@ def _flag_given(ctx, name: str) -> bool:
         return False
 
 
-def _prepare_run(preset, model, drafter, draft_model, ctx=None):
+def prepare_run(preset, model, drafter, draft_model, ctx=None):
     """Memory warning + wired limit, and --preset -> (drafter, draft_model, extra stream options)."""
-    from . import hardware, presets
+    from .. import hardware, presets
 
     profile = hardware.detect(fast=True)
     caps = None
@@ -351,16 +352,16 @@ def _prepare_run(preset, model, drafter, draft_model, ctx=None):
         warning = hardware.memory_warning(total, profile, caps.name if not caps.draft_bytes
                                           else f"{caps.name} with its draft model")
         if warning:
-            _note(warning)
+            print_note(warning)
         hardware.apply_memory_limits(total, profile)
     if preset is None:
         return drafter, draft_model, {}
     if preset == "auto":
-        _note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
+        print_note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
     options = {"gates": chosen.gates}
     if _flag_given(ctx, "drafter"):
         if drafter != chosen.drafter:
-            _note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+            print_note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
         return drafter, draft_model, options
     if chosen.max_depth:
         options["max_depth"] = chosen.max_depth
@@ -370,7 +371,7 @@ def _prepare_run(preset, model, drafter, draft_model, ctx=None):
 
 
 def _profile_lines(data: dict) -> list[tuple[str, str]]:
-    from .hardware import human_bytes
+    from ..hardware import human_bytes
 
     tiers = " + ".join(f"{n} {name}" for name, n in data["cpu_core_tiers"].items())
     cpu = "?" if data["cpu_cores"] is None else f"{data['cpu_cores']} cores" + (f" ({tiers})" if tiers else "")
@@ -399,8 +400,8 @@ def profile(
         "--draft-model", metavar="PATH_OR_REPO", help="A draft model to consider for MODEL.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    with _user_errors():
-        from . import hardware, presets
+    with user_errors():
+        from .. import hardware, presets
 
         prof = hardware.detect()
         data = prof.to_dict()

@@ -9,9 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import (DRAFTERS, _check_reasoning, _demo_notice, _error, _help, _note, _user_errors, app,
-                  complete_drafter, complete_model, complete_reasoning, no_color)
-from .errors import UsageError
+from .app import app
+from .console import (DRAFTERS, check_reasoning, complete_drafter, complete_model, complete_reasoning,
+                      demo_notice, help_text, no_color, print_error, print_note, user_errors)
+from ..errors import UsageError
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
 
@@ -59,7 +60,7 @@ def _api_key(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
     return key or os.environ.get("MLXSPEC_API_KEY") or None
 
 
-@app.command(help=_help(SERVE_HELP))
+@app.command(help=help_text(SERVE_HELP))
 def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
@@ -97,16 +98,16 @@ def serve(
     cors: Annotated[bool, typer.Option("--cors", help="Allow cross-origin requests from any origin.")] = False,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
-    with _user_errors():
-        from .config import settings
+    with user_errors():
+        from ..config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file ([server], drafter, preset)
         given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning,
                               prompt_cache_bytes=prompt_cache_bytes))
         drafter, host, port, preset, reasoning = (given[k] for k in ("drafter", "host", "port", "preset",
                                                                      "reasoning"))
-        _check_reasoning(reasoning)
-        from .config import parse_bytes
+        check_reasoning(reasoning)
+        from ..config import parse_bytes
 
         cache_bytes = parse_bytes(given["prompt_cache_bytes"], "--prompt-cache-bytes")
         if max_queue < 0 or max_tokens_cap < 1:
@@ -115,24 +116,24 @@ def serve(
         if not _is_loopback(host) and not key:
             raise UsageError(f"refusing to bind {host} (not loopback) without an API key: "
                              "pass --api-key, --api-key-file or set MLXSPEC_API_KEY")
-        from .cli_machine import _prepare_run
+        from .machine import prepare_run
 
-        drafter, draft_model, _ = _prepare_run(preset, model, drafter, draft_model, ctx)
-        from .api import load
-        from .server.app import Settings, create_app
+        drafter, draft_model, _ = prepare_run(preset, model, drafter, draft_model, ctx)
+        from ..api import load
+        from ..server.app import Settings, create_app
 
         spec = load(model, draft_model=draft_model)
         spec.prompt_cache.max_bytes = cache_bytes
         if spec.is_demo:
-            _demo_notice(spec.name)
+            demo_notice(spec.name)
         settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,
                             max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors, reasoning=reasoning)
         application = create_app(spec, settings)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
-    _note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
+    print_note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
           f"{', draft ' + spec.draft.name if spec.draft else ''})")
-    _note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+    print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{spec.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
     import logging
 
@@ -147,5 +148,5 @@ def serve(
         uvicorn.run(application, host=host, port=port, log_level=log_level,
                     use_colors=False if no_color() else None)
     except OSError as err:
-        _error(f"cannot bind {host}:{port}: {err.strerror}")
+        print_error(f"cannot bind {host}:{port}: {err.strerror}")
         raise typer.Exit(1) from None

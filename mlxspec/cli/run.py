@@ -1,117 +1,17 @@
-"""The ``mlxspec`` command line."""
+"""``mlxspec run``: one-shot generation, a prompt piped through stdin, or an interactive chat."""
 
-import contextlib
-import functools
 import json
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Optional
 
 import typer
 
-from . import __version__
-from .config import user_config_path
-from .errors import MlxspecError, UsageError
-
-DRAFTERS = ("auto", "pld", "draft", "mtp", "none")  # mirrors mlxspec.api.DRAFTERS, without importing mlx
-MAX_DEPTH = 16
-DEBUG_ENV = "MLXSPEC_DEBUG"
-
-app = typer.Typer(
-    name="mlxspec",
-    help="Exact speculative decoding for MLX: faster generation with identical output.",
-    add_completion=True,  # --install-completion / --show-completion (Homebrew calls the latter)
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,  # main() prints one-line errors instead
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _dist_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"mlxspec {__version__} (mlx {_dist_version('mlx')}, mlx-lm {_dist_version('mlx-lm')})")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    show_version: Annotated[bool, typer.Option(
-        "--version", callback=_print_version, is_eager=True,
-        help="Print the mlxspec, mlx and mlx-lm versions and exit.")] = False,
-) -> None:
-    """Exact speculative decoding for MLX: faster generation with identical output."""
-
-
-# -- small helpers -----------------------------------------------------------
-
-
-def complete_model(incomplete: str) -> list[str]:
-    """Shell completion for MODEL: cached repo ids, then catalog aliases.
-
-    Paths are left to the shell (nothing matches "./" here, so its file completion takes over).
-    A broken or missing cache completes nothing rather than printing a traceback into the shell.
-    """
-    try:
-        from . import hub
-
-        names = [row["repo_id"] for row in hub.list_models()]
-        names += [entry.alias for entry in hub.catalog().values()]
-    except Exception:
-        return []
-    return [name for name in dict.fromkeys(names) if name.lower().startswith(incomplete.lower())]
-
-
-def complete_drafter(incomplete: str) -> list[str]:
-    return [name for name in DRAFTERS if name.startswith(incomplete)]
-
-
-def complete_reasoning(incomplete: str) -> list[str]:
-    from .reasoning import MODES
-
-    return [mode for mode in MODES if mode.startswith(incomplete)]
-
-
-def _help(text: str) -> str:
-    """Command help written as indented paragraphs -> one line per paragraph, for Typer."""
-    return "\n\n".join(" ".join(paragraph.split()) for paragraph in text.strip().split("\n\n"))
-
-
-def no_color() -> bool:
-    """NO_COLOR set and not empty (no-color.org): no ANSI colours anywhere. Rich reads it itself."""
-    return bool(os.environ.get("NO_COLOR"))
-
-
-def _error(message: str) -> None:
-    color = sys.stderr.isatty() and not no_color()
-    label = "\x1b[1;31merror:\x1b[0m" if color else "error:"
-    sys.stderr.write(f"{label} {message}\n")
-    sys.stderr.flush()
-
-
-def _note(message: str) -> None:
-    sys.stderr.write(message + "\n")
-    sys.stderr.flush()
-
-
-@contextlib.contextmanager
-def _user_errors():
-    """MlxspecError -> one line on stderr and its exit code; Ctrl-C -> exit 130 quietly."""
-    try:
-        yield
-    except MlxspecError as err:
-        _error(str(err))
-        raise typer.Exit(err.exit_code)
-    except KeyboardInterrupt:
-        _note("")
-        raise typer.Exit(130)
+from ..config import user_config_path
+from ..errors import UsageError
+from .app import app
+from .console import (DRAFTERS, MAX_DEPTH, check_reasoning, complete_drafter, complete_model, complete_reasoning,
+                      demo_notice, help_text, print_stats, stdout_console, stderr_console, user_errors)
 
 
 def _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens) -> None:
@@ -133,17 +33,10 @@ def _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tok
         raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
 
 
-def _check_reasoning(mode) -> None:
-    from .reasoning import MODES
-
-    if mode not in MODES:
-        raise UsageError(f"unknown --reasoning '{mode}'; choose one of {', '.join(MODES)}")
-
-
 def _split_positionals(model: Optional[str], prompt: Optional[str]):
     """(model ref, prompt): a lone positional is the model only if it names one or is a path."""
     if model is not None and prompt is None:
-        from .models.loader import is_model_ref
+        from ..models.loader import is_model_ref
 
         # a mistyped folder should fail as a model, not be sent to the demo as a prompt
         if not model.startswith(("/", "./", "../", "~")) and not is_model_ref(model):
@@ -154,8 +47,8 @@ def _split_positionals(model: Optional[str], prompt: Optional[str]):
 def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
     """An alias (config.toml's [aliases], then the catalog) -> its repo id, downloaded on first
     use after asking (or with --yes). Anything else is returned unchanged."""
-    from . import hub
-    from .models.loader import is_model_ref
+    from .. import hub
+    from ..models.loader import is_model_ref
 
     repo = hub.resolve_alias(ref) if ref else None
     if repo is None:
@@ -166,9 +59,9 @@ def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
                 raise UsageError(f"'{ref}' is {repo}, not downloaded yet: run `mlxspec pull {ref}` or pass --yes")
             if not typer.confirm(f"'{ref}' is {repo}, not downloaded yet; download it now?", default=True):
                 raise typer.Exit(1)
-        from .cli_machine import _pull_with_progress
+        from .machine import pull_with_progress
 
-        _pull_with_progress(repo, None, True)
+        pull_with_progress(repo, None, True)
     return repo
 
 
@@ -179,46 +72,10 @@ def _read_stdin() -> str:
     return text
 
 
-def _demo_notice(name: str) -> None:
-    _note(f"note: using '{name}', a small built-in demo model: fast, but its answers are not "
-          "meaningful. Use a real model with `mlxspec run <folder-or-repo-id> ...` "
-          "or set MLXSPEC_DEFAULT_MODEL.")
-
-
-# -- generation --------------------------------------------------------------
-
-
-@functools.cache
-def _stdout_console():
-    from rich.console import Console
-
-    return Console(highlight=False)  # writes to whatever sys.stdout is at the time
-
-
-@functools.cache
-def _stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False)
-
-
-def _show_stats(stats, table: bool) -> None:
-    from rich.text import Text
-
-    from .ui import stats_line, stats_table
-
-    if stats is None:
-        return
-    if table:
-        _stderr_console().print(stats_table(stats))
-    else:  # soft_wrap: one line however narrow the terminal
-        _stderr_console().print(Text(stats_line(stats), style="dim"), soft_wrap=True)
-
-
 # -- the run command ---------------------------------------------------------
 
 # paragraphs are unwrapped here: Typer's rich help keeps single newlines as line breaks
-RUN_HELP = _help("""
+RUN_HELP = help_text("""
 Generate text with MODEL, speculatively: the output is exactly what MODEL alone would write.
 
 MODEL is a local folder or a Hugging Face repo id already in the local cache. Without it the
@@ -297,8 +154,8 @@ def run(
     yes: Annotated[bool, typer.Option(
         "--yes", "-y", help="Download an aliased model (e.g. qwen3-8b) without asking.")] = False,
 ) -> None:
-    with _user_errors():
-        from .config import settings
+    with user_errors():
+        from ..config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
@@ -306,35 +163,35 @@ def run(
         drafter, temp, top_p, top_k, min_p, max_tokens, preset, reasoning = (
             given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset", "reasoning"))
         _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
-        _check_reasoning(reasoning)
+        check_reasoning(reasoning)
         model = _aliased_model(model, yes)
         model, prompt = _split_positionals(model, prompt)
-        from .cli_machine import _prepare_run
+        from .machine import prepare_run
 
-        drafter, draft_model, preset_options = _prepare_run(preset, model, drafter, draft_model, ctx)
+        drafter, draft_model, preset_options = prepare_run(preset, model, drafter, draft_model, ctx)
         chat = prompt is None and sys.stdin.isatty()
         if chat and json_out:
             raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
         if prompt is None and not chat:
             prompt = _read_stdin()
-        live = not no_stats and _stdout_console().is_terminal and _stderr_console().is_terminal
+        live = not no_stats and stdout_console().is_terminal and stderr_console().is_terminal
 
-        from .api import load
+        from ..api import load
 
-        if _stderr_console().is_terminal:
-            with _stderr_console().status("loading model…", spinner="dots"):
+        if stderr_console().is_terminal:
+            with stderr_console().status("loading model…", spinner="dots"):
                 spec = load(model, draft_model=draft_model)
         else:
             spec = load(model, draft_model=draft_model)
         if spec.is_demo:
-            _demo_notice(spec.name)
+            demo_notice(spec.name)
         if chat:  # each turn reuses the conversation so far (config prompt_cache_bytes)
-            from .config import parse_bytes
+            from ..config import parse_bytes
 
             spec.prompt_cache.max_bytes = parse_bytes(given["prompt_cache_bytes"], "prompt_cache_bytes")
 
-        from . import cli_chat
-        from .reasoning import split, template_kwargs
+        from . import chat as cli_chat
+        from ..reasoning import split, template_kwargs
 
         options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                        seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
@@ -352,29 +209,6 @@ def run(
         else:
             answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, options)
             if not no_stats:
-                _show_stats(answer.stats, table=live)
+                print_stats(answer.stats, table=live)
             if answer.interrupted:
                 raise typer.Exit(130)
-
-
-# the model and machine commands register themselves on `app`
-from . import cli_machine  # noqa: E402,F401
-from . import cli_bench  # noqa: E402,F401
-from . import cli_serve  # noqa: E402,F401
-
-
-def main() -> None:
-    """Console-script entry point: no tracebacks for anything the user can fix."""
-    try:
-        app(prog_name="mlxspec")
-    except MlxspecError as err:
-        _error(str(err))
-        sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as err:
-        if os.environ.get(DEBUG_ENV):
-            raise
-        detail = " ".join(str(err).split())[:200]
-        _error(f"internal error: {type(err).__name__}: {detail} (set {DEBUG_ENV}=1 for the traceback)")
-        sys.exit(1)

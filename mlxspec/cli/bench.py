@@ -7,14 +7,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from .cli import _help, _note, _stderr_console, _stdout_console, _user_errors, app, complete_model
-from .errors import UsageError
+from .app import app
+from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
+from ..errors import UsageError
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
 DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
 DEFAULT_WORKLOADS = "benchmarks/workloads"
 
-BENCH_HELP = _help("""
+BENCH_HELP = help_text("""
 Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; or, with
 --sweep, time a forward of 1..N tokens on random-weight models of real shapes; or, with
 --chat, time the first token of each turn of a growing chat with and without prefix reuse.
@@ -67,7 +68,7 @@ def _check(condition: bool, message: str) -> None:
 @contextlib.contextmanager
 def _progress(label: str):
     """on_step(message, done, total): a progress bar on a terminal, else a line per phase."""
-    console = _stderr_console()
+    console = stderr_console()
     if not console.is_terminal:
         last = {"phase": None}
 
@@ -75,7 +76,7 @@ def _progress(label: str):
             phase = message.split(":")[0]
             if phase != last["phase"]:
                 last["phase"] = phase
-                _note(f"{label}: {phase}")
+                print_note(f"{label}: {phase}")
 
         yield on_step
         return
@@ -90,16 +91,16 @@ def _progress(label: str):
 
 
 def _outputs(docs, json_path, png_path) -> None:
-    from .bench.report import render, write_chart, write_json
+    from ..bench.report import render, write_chart, write_json
 
     for doc in docs:
-        render(doc, _stdout_console())
+        render(doc, stdout_console())
     if json_path:
         write_json(docs[0], json_path)
-        _note(f"wrote {json_path}")
+        print_note(f"wrote {json_path}")
     if png_path:
         write_chart(docs, png_path)
-        _note(f"wrote {png_path}")
+        print_note(f"wrote {png_path}")
 
 
 @app.command(help=BENCH_HELP)
@@ -215,11 +216,11 @@ def bench(
              "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
              "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")] = False,
 ) -> None:
-    with _user_errors():
+    with user_errors():
         if from_json:
             _check(json_path is None and sweep is None and model is None and not chat,
                    "--from-json only redraws saved results: give no MODEL, --sweep, --chat or --json")
-            from .bench.report import check_matplotlib, read_json
+            from ..bench.report import check_matplotlib, read_json
 
             docs = [read_json(path) for path in from_json]
             if png_path:
@@ -233,7 +234,7 @@ def bench(
         _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
         _check(max_tokens is None or max_tokens >= 1, f"--max-tokens must be at least 1, got {max_tokens}")
         if png_path:
-            from .bench.report import check_matplotlib
+            from ..bench.report import check_matplotlib
 
             check_matplotlib()  # before minutes of measuring, not after
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
@@ -250,9 +251,9 @@ def bench(
             _check(model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL or --draft-model")
             _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-            from .bench.prompts import parse_list
-            from .bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
-            from .bench.report import real_shapes_document
+            from ..bench.prompts import parse_list
+            from ..bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
+            from ..bench.report import real_shapes_document
 
             shapes = parse_shapes(real_shapes)
             chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
@@ -264,7 +265,7 @@ def bench(
 
             def save_partial(result):  # the repetitions done survive a run stopped later
                 if json_path:
-                    from .bench.report import write_json
+                    from ..bench.report import write_json
 
                     write_json(real_shapes_document(result), json_path)
 
@@ -276,18 +277,18 @@ def bench(
                                          on_step=on_step, on_partial=save_partial)
             _outputs([real_shapes_document(result)], json_path, png_path)
             if not all(c["identical"] for c in result["cells"]):
-                _note("note: some cell's tokens differ from the script (column identical)")
+                print_note("note: some cell's tokens differ from the script (column identical)")
             return
         if sweep is not None:
             _check(model is None and draft_model is None,
                    "--sweep builds its own random models: give no MODEL or --draft-model")
             _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-            from .kernels import cuda
+            from ..kernels import cuda
 
             _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
                    "machine is not running MLX's CUDA backend, where they are never on")
-            from .bench.report import sweep_document
-            from .bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
+            from ..bench.report import sweep_document
+            from ..bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
 
             shapes = list(DEFAULT_SHAPES) if sweep.strip() == "all" else parse_shapes(sweep)
             with _progress("sweep") as on_step:
@@ -296,7 +297,7 @@ def bench(
             _outputs([sweep_document(result)], json_path, png_path)
             return
 
-        from .bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
+        from ..bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
 
         chosen = parse_engines(engines)
         sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
@@ -306,11 +307,11 @@ def bench(
             model = str(DEFAULT_MODEL)
             if draft_model is None and DEFAULT_DRAFT.is_dir():
                 draft_model = str(DEFAULT_DRAFT)
-        from .api import load
-        from .bench.report import bench_document
-        from .hub import expand_alias
+        from ..api import load
+        from ..bench.report import bench_document
+        from ..hub import expand_alias
 
-        console = _stderr_console()
+        console = stderr_console()
         with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
             spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
         if dtype is not None:
@@ -321,8 +322,8 @@ def bench(
                           temp_pass=temp_pass, seed=seed, gates=gates)
         runner = Bench(spec, sets, chosen, options)
         for engine, why in runner.skipped.items():
-            _note(f"skipping {engine}: {why}")
-        from .bench.report import write_json
+            print_note(f"skipping {engine}: {why}")
+        from ..bench.report import write_json
 
         def save_partial(result):  # the first pass survives a run stopped during the second
             if json_path:
@@ -332,15 +333,15 @@ def bench(
             result = runner.run(on_step, save_partial)
         _outputs([bench_document(runner, result)], json_path, png_path)
         if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
-            _note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
+            print_note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
         sys.stdout.flush()
 
 
 def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, max_tokens, reps, bits,
               dtype, json_path, png_path) -> None:
     """``bench --chat``: flags checked, then MODEL or each random shape through run_chat."""
-    from .bench.chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
-    from .bench.report import model_info, chat_document
+    from ..bench.chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
+    from ..bench.report import model_info, chat_document
 
     turns = 5 if turns is None else turns
     answer = 64 if max_tokens is None else max_tokens
@@ -362,7 +363,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
         _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
         _check(drafter in ("pld", "none"), f"--drafter with --chat-shapes must be pld or none "
                                            f"(random models have no MTP head or draft model); got {drafter}")
-        from .bench.sweep import parse_shapes
+        from ..bench.sweep import parse_shapes
 
         names = parse_shapes(shapes, "--chat-shapes")
         config = plan(4096 if context is None else context)
@@ -370,7 +371,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
             models = run_chat_shapes(names, bits=bits, dtype=dtype, on_step=on_step,
                                      **_run_args(config))
     else:
-        from .api import DRAFTERS
+        from ..api import DRAFTERS
 
         _check(drafter in DRAFTERS, f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter}")
         _check(drafter != "draft" or draft_model is not None, "--drafter draft needs --draft-model")
@@ -408,10 +409,10 @@ def _load_chat_model(model, draft_model, dtype):
         _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id) or --chat-shapes: "
                                        f"there is no {DEFAULT_MODEL} in this folder")
         model = str(DEFAULT_MODEL)
-    from .api import load
-    from .hub import expand_alias
+    from ..api import load
+    from ..hub import expand_alias
 
-    console = _stderr_console()
+    console = stderr_console()
     with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
         spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
     if dtype is not None:
