@@ -82,25 +82,13 @@ def parse_shapes(text: str) -> list[str]:
 # -- timing ---------------------------------------------------------------------------------
 
 
-def forward_ms(model, widths, context: list[int], reps: int) -> dict[int, float]:
-    """Median ms of a forward of n tokens (graph built, run and waited for) over a cache that
-    grows as in generation: every forward is kept, so each sees a new key length."""
-    import mlx.core as mx
+def forward_ms(model, widths, context: int, reps: int, vocab: int) -> dict[int, float]:
+    """Median ms of a forward of n tokens (graph built, run and waited for) over a cache of
+    ``context`` tokens that grows as in generation (the engine's own timing loop)."""
+    from ..engine.costs import verify_times
 
-    from ..engine.cache import ModelState
-
-    state = ModelState(model)
-    state.prefill(context)
-    out = {}
-    for n in (1,) + tuple(widths):  # the first 1-token run warms up
-        samples = []
-        for _ in range(reps + 1):
-            tokens = mx.array(context[:n], mx.uint32)
-            t0 = time.perf_counter()
-            mx.eval(mx.argmax(state.forward(tokens, rollback=False)[-1], axis=-1))
-            samples.append(time.perf_counter() - t0)
-        out[n] = 1e3 * statistics.median(samples[1:])
-    return out
+    samples = verify_times(model, widths, context=context, reps=reps, vocab=vocab, warmup_each=True)
+    return {n: 1e3 * statistics.median(times) for n, times in samples.items()}
 
 
 def mtp_step_ms(head, context: int, reps: int) -> float:
@@ -167,10 +155,9 @@ class ShapeBench:
         say(f"{shape}: measuring the verify-cost curve (as `run` does)")
         self.cost = measure_verify_cost(self.model, vocab=vocab)
         say(f"{shape}: timing forwards over a growing cache")
-        context = self.scripts[workloads[0]].prompt
-        self.forward = forward_ms(self.model, range(2, widest + 1), context, reps)
-        draft_forward = forward_ms(self.draft, (), context, reps)
-        self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, len(context), reps),
+        self.forward = forward_ms(self.model, range(2, widest + 1), prompt_tokens, reps, vocab)
+        draft_forward = forward_ms(self.draft, (), prompt_tokens, reps, vocab)
+        self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, prompt_tokens, reps),
                               "mlxspec-draft": draft_forward[1]}
 
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:

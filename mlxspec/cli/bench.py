@@ -257,11 +257,10 @@ def bench(
 
             shapes = parse_shapes(real_shapes)
             chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
-            try:
-                forced = [int(d) for d in parse_list(depths, "depths")]
-            except ValueError:
-                forced = [0]
-            _check(all(1 <= d <= 16 for d in forced), f"--depths must be numbers from 1 to 16, got {depths}")
+            given = parse_list(depths, "depths")
+            _check(all(d.isdigit() and 1 <= int(d) <= 16 for d in given),
+                   f"--depths must be numbers from 1 to 16, got {depths}")
+            forced = [int(d) for d in given]
 
             def save_partial(result):  # the repetitions done survive a run stopped later
                 if json_path:

@@ -414,16 +414,12 @@ def chunks(S: int, blocks_per_chunk: int) -> int:
 def verify_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=None) -> mx.array:
     """softmax(q k^T * scale + mask) v by the kernel, for q [B, Hq, L, D] (1 <= L <= MAX_ROWS),
     k, v [B, Hkv, S, D]; always the kernel (CUDA only), whatever :func:`active` says."""
+    why = unsupported(q, k, v, mask)
+    if why:
+        raise ValueError(f"verify_attention: {why}")
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     kind = mask_kind(mask, (B, Hq, L, S))
-    if kind is None:
-        raise ValueError(f"verify_attention: unsupported mask {mask!r}")
-    if not 1 <= L <= MAX_ROWS or D not in HEAD_DIMS or Hq % Hkv or k.shape != v.shape \
-            or k.shape[0] != B or k.shape[3] != D or S < 1:
-        raise ValueError(f"verify_attention: unsupported shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:  # one T in the kernel
-        raise ValueError(f"verify_attention: unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}")
     inputs = [q, k, v, _scalar(float(scale))]
     template = [("T", q.dtype), ("D", D), ("NW", WARPS), ("QPW", QUERIES_PER_WARP)]
     if kind in ("bool", "add"):
@@ -453,21 +449,28 @@ def verify_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=N
     return out
 
 
+def unsupported(q, k, v, mask) -> str | None:
+    """Why the kernel cannot take these inputs (None: it can); it has one T for all three."""
+    if not all(isinstance(x, mx.array) and x.ndim == 4 for x in (q, k, v)):
+        return "queries, keys and values must be 4-D arrays"
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if not 1 <= L <= MAX_ROWS or D not in HEAD_DIMS or Hq % Hkv or k.shape != v.shape \
+            or k.shape[0] != B or k.shape[3] != D or S < 1:
+        return f"unsupported shapes q {q.shape}, k {k.shape}, v {v.shape}"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}"
+    if mask_kind(mask, (B, Hq, L, S)) is None:
+        return f"unsupported mask {mask!r}"
+    return None
+
+
 def eligible(queries, keys, values, cache, mask, sinks) -> bool:
-    """What the kernel takes: plain float K/V (not a quantized cache), no sinks, 2..16 query
-    rows, head size 64/128/256, one dtype throughout, a mask mlx-lm makes."""
+    """What the dispatcher sends to the kernel: inputs it takes, at least MIN_ROWS query rows
+    (one row keeps MLX's decode kernel), plain float K/V (not a quantized cache), no sinks."""
     if sinks is not None or hasattr(cache, "bits"):
         return False
-    if not all(isinstance(x, mx.array) and x.ndim == 4 for x in (queries, keys, values)):
-        return False
-    B, Hq, L, D = queries.shape
-    Hkv, S = keys.shape[1], keys.shape[2]
-    return (
-        MIN_ROWS <= L <= MAX_ROWS and D in HEAD_DIMS and queries.dtype in DTYPES
-        and keys.dtype == queries.dtype and values.dtype == queries.dtype
-        and keys.shape == values.shape and keys.shape[0] == B and keys.shape[3] == D
-        and S >= 1 and Hq % Hkv == 0 and mask_kind(mask, (B, Hq, L, S)) is not None
-    )
+    return unsupported(queries, keys, values, mask) is None and queries.shape[2] >= MIN_ROWS
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:

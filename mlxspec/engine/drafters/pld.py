@@ -39,10 +39,7 @@ class PromptLookupDrafter(Drafter):
         self._indexed = max(self._indexed, end)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
-        if k <= 0 or len(tokens) < self.min_ngram + 1:
-            return []
-        self._catch_up(tokens)
-        return self._search(tokens, k)
+        return self.peek(tokens, [], k)
 
     def _search(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -62,7 +59,7 @@ class PromptLookupDrafter(Drafter):
         if k <= 0 or len(tokens) + len(extra) < self.min_ngram + 1:
             return []
         self._catch_up(tokens)
-        return self._search(tokens + extra, k)
+        return self._search(tokens + extra if extra else tokens, k)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         found = self.lookup(tokens, k)
