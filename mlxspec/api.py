@@ -16,9 +16,9 @@ from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
 from .errors import DrafterError, UsageError
 from .models.loader import LoadedModel, load_model
-
-DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
-DEFAULT_PROMPT_CACHE_BYTES = 2 << 30  # conversations kept for prefix reuse (`--prompt-cache-bytes`)
+# DRAFTERS and DEFAULT_PROMPT_CACHE_BYTES stay importable from here: callers of the API read them
+from .options import (API_DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_TEMPERATURE,
+                      DEFAULT_TOP_K, DEFAULT_TOP_P, DRAFTERS, check_choice, check_values)
 
 
 @dataclass
@@ -59,7 +59,7 @@ class SpecModel:
         """Measured cost of verifying 1..16 tokens with this model: the curve `mlxspec tune`
         stored for this machine and model, else measured now (once per load)."""
         if self._cost is None:
-            from .tune import stored_cost
+            from .tuning.storage import stored_cost
 
             self._cost = stored_cost(self.target)
         if self._cost is None:
@@ -182,11 +182,11 @@ class SpecModel:
         self,
         prompt,
         *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
+        max_tokens: int = API_DEFAULT_MAX_TOKENS,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        top_k: int = DEFAULT_TOP_K,
+        min_p: float = DEFAULT_MIN_P,
         seed: int | None = None,
         drafter: str = "auto",
         depth: int | None = None,
@@ -207,10 +207,8 @@ class SpecModel:
         not prefilled again; ``checkpoints`` are extra prompt positions to store its caches at
         (default: where the conversation ends before the generation prompt). The prompt is
         fed ``prefill_step`` tokens at a time; ``on_prefill(done, total)`` reports progress."""
-        if drafter not in DRAFTERS:
-            raise UsageError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-        if max_tokens < 1:
-            raise UsageError("max_tokens must be at least 1")
+        check_choice("drafter", drafter, DRAFTERS)
+        check_values({"max_tokens": max_tokens})
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         sampling.validate()
         prompt_ids = self.encode(prompt, system=system, raw=raw, tools=tools, template_kwargs=template_kwargs)
@@ -240,16 +238,13 @@ class SpecModel:
             cost=cost,
         )
         if cost is not None and decoder.drafter is not None:
-            from .tune import stored_draft_cost
+            from .tuning.storage import stored_draft_cost
 
             # `mlxspec tune` timed this drafter's step here: better than the weight-bytes guess
             tuned = stored_draft_cost(self.target, decoder.drafter.name, self.draft)
             if tuned is not None:
                 decoder.drafter.cost_per_token = tuned
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stats = None
-        for tokens, stats in decoder.generate(
+        yield from self._text_chunks(decoder.generate(
             prompt_ids,
             sampling=sampling,
             max_tokens=max_tokens,
@@ -259,7 +254,15 @@ class SpecModel:
             checkpoints=checkpoints or (),
             prefill_step=prefill_step,
             on_prefill=on_prefill,
-        ):
+        ))
+
+    def _text_chunks(self, steps) -> Iterator[Chunk]:
+        """The decoder's (tokens, stats) steps as Chunks of text; the end-of-text tokens are
+        kept in ``tokens`` but not detokenized."""
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stats = None
+        for tokens, stats in steps:
             for t in tokens:
                 if t in self.tokenizer.eos_token_ids:
                     continue

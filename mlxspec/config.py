@@ -6,6 +6,7 @@ import os
 import tomllib
 from pathlib import Path
 
+from . import options
 from .errors import MlxspecError, UsageError
 
 DEFAULT_MODEL_ENV = "MLXSPEC_DEFAULT_MODEL"
@@ -48,26 +49,21 @@ SETTINGS: dict[str, tuple[type, object, str, str]] = {
     "default_model": (str, None, DEFAULT_MODEL_ENV, "default_model"),
     "preset": (str, None, "MLXSPEC_PRESET", "preset"),
     "drafter": (str, "auto", "MLXSPEC_DRAFTER", "drafter"),
-    "temp": (float, 0.0, "MLXSPEC_TEMP", "sampling.temp"),
-    "top_p": (float, 1.0, "MLXSPEC_TOP_P", "sampling.top_p"),
-    "top_k": (int, 0, "MLXSPEC_TOP_K", "sampling.top_k"),
-    "min_p": (float, 0.0, "MLXSPEC_MIN_P", "sampling.min_p"),
-    "max_tokens": (int, 512, "MLXSPEC_MAX_TOKENS", "sampling.max_tokens"),
+    "temp": (float, options.DEFAULT_TEMPERATURE, "MLXSPEC_TEMP", "sampling.temp"),
+    "top_p": (float, options.DEFAULT_TOP_P, "MLXSPEC_TOP_P", "sampling.top_p"),
+    "top_k": (int, options.DEFAULT_TOP_K, "MLXSPEC_TOP_K", "sampling.top_k"),
+    "min_p": (float, options.DEFAULT_MIN_P, "MLXSPEC_MIN_P", "sampling.min_p"),
+    "max_tokens": (int, options.DEFAULT_MAX_TOKENS, "MLXSPEC_MAX_TOKENS", "sampling.max_tokens"),
     "reasoning": (str, "auto", "MLXSPEC_REASONING", "reasoning"),
-    "host": (str, "127.0.0.1", "MLXSPEC_HOST", "server.host"),
-    "port": (int, 8000, "MLXSPEC_PORT", "server.port"),
-    "prompt_cache_bytes": (str, "2GiB", "MLXSPEC_PROMPT_CACHE_BYTES", "server.prompt_cache_bytes"),
+    "host": (str, options.DEFAULT_HOST, "MLXSPEC_HOST", "server.host"),
+    "port": (int, options.DEFAULT_PORT, "MLXSPEC_PORT", "server.port"),
+    "prompt_cache_bytes": (str, options.DEFAULT_PROMPT_CACHE_SIZE, "MLXSPEC_PROMPT_CACHE_BYTES",
+                           "server.prompt_cache_bytes"),
 }
-_DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
-_REASONING = ("on", "off", "auto")  # mlxspec.reasoning.MODES
-_CHECKS = {  # name: (ok, what it must be)
-    "drafter": (lambda v: v in _DRAFTERS, "one of " + ", ".join(_DRAFTERS)),
-    "temp": (lambda v: v >= 0, "0 or more"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v >= 0, "0 (off) or more"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "max_tokens": (lambda v: v >= 1, "at least 1"),
-    "reasoning": (lambda v: v in _REASONING, "one of " + ", ".join(_REASONING)),
+# settings whose values mlxspec.options checks, by the option's name there
+_OPTION_OF_SETTING = {"drafter": "drafter", "temp": "temperature", "top_p": "top_p", "top_k": "top_k",
+                     "min_p": "min_p", "max_tokens": "max_tokens", "reasoning": "reasoning"}
+_SERVER_CHECKS = {  # the server's own settings: name: (ok, what it must be)
     "port": (lambda v: 1 <= v <= 65535, "between 1 and 65535"),
     "prompt_cache_bytes": (lambda v: _bytes_or_none(v) is not None, "a size such as 2GiB, 512MB or 0"),
 }
@@ -110,7 +106,10 @@ def _typed(name: str, value, where: str, from_text: bool):
     except ValueError:
         what = {int: "an integer", float: "a number", str: "a string"}[kind]
         raise MlxspecError(f"{where} must be {what}, got {value!r}") from None
-    check = _CHECKS.get(name)
+    option = _OPTION_OF_SETTING.get(name)
+    if option is not None:
+        options.check_values({option: value}, {option: where}, error=MlxspecError)
+    check = _SERVER_CHECKS.get(name)
     if check and not check[0](value):
         raise MlxspecError(f"{where} must be {check[1]}, got {value!r}")
     return value

@@ -16,11 +16,13 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 
+from .units import human_bytes
+
 SCHEMA_VERSION = 1
 
 # -- memory bandwidth per Apple chip ------------------------------------------------------------
 # (chip, CPU cores or None, GPU cores or None, GB/s or None when no citable figure, source)
-# Figures and sources: apple_chips.md (copied from /work/shared/reference/apple_hw/); Apple's
+# Figures and sources: tests/data/apple_hw/apple_chips.md (each row cites its source); Apple's
 # marketing numbers in decimal GB/s. A chip whose variants differ is resolved by its core counts;
 # when the counts do not tell the variants apart, the bandwidth is None rather than a guess.
 _MACRUMORS_M3 = "https://www.macrumors.com/2023/10/31/apple-m3-pro-less-memory-bandwidth/"
@@ -397,15 +399,6 @@ def detect(fast: bool = False) -> Profile:
 
 
 # -- memory --------------------------------------------------------------------------------------
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def memory_warning(model_bytes: int | None, profile: Profile, name: str = "the model") -> str | None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import InvalidCheckpointError, MlxspecError, ModelNotFoundError, UsageError
-from .models.loader import SNAPSHOT_PATTERNS, display_path, hf_cache_dir
+from .models.loader import SNAPSHOT_PATTERNS, check_architecture, display_path, hf_cache_dir
+from .units import human_bytes
 
 MTP_PATTERNS = ["mtp.safetensors", "mtp/*.safetensors", "model-mtp.safetensors"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -161,12 +162,10 @@ def _progress_class(on_total: Callable[[int], None], on_bytes: Callable[[int], N
         def __exit__(self, *exc):
             return False
 
-        def close(self): pass
-        def refresh(self, *a, **k): pass
-        def set_description(self, *a, **k): pass
-        def set_description_str(self, *a, **k): pass
-        def set_postfix_str(self, *a, **k): pass
-        def set_postfix(self, *a, **k): pass
+        def _ignore(self, *args, **kwargs):
+            pass
+
+        close = refresh = set_description = set_description_str = set_postfix = set_postfix_str = _ignore
 
     return _Bar
 
@@ -179,29 +178,17 @@ def _check_config(config_path: Path, repo_id: str) -> dict:
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
         raise InvalidCheckpointError(f"'{repo_id}' is not a language-model checkpoint: config.json has no \"model_type\"")
-    from mlx_lm.utils import _get_classes
-
-    try:
-        _get_classes(config)
-    except ValueError:
-        import mlx_lm
-
-        raise InvalidCheckpointError(
-            f"'{repo_id}' has model_type '{model_type}', which mlx-lm {mlx_lm.__version__} cannot load"
-        ) from None
+    check_architecture(config, f"'{repo_id}'", "cannot load")
     return config
 
 
 def _hub_errors(err: Exception, repo_id: str, revision: str | None) -> MlxspecError | None:
     """One-line error for a huggingface_hub / network / disk exception (None: not one we know)."""
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, HFValidationError,
+    from huggingface_hub.errors import (DryRunError, GatedRepoError, HfHubHTTPError, HFValidationError,
                                         LocalEntryNotFoundError, OfflineModeIsEnabled,
                                         RepositoryNotFoundError, RevisionNotFoundError)
 
-    from huggingface_hub.errors import DryRunError
-
-    while isinstance(err, DryRunError) and err.__cause__ is not None:  # dry runs wrap the real error
-        err = err.__cause__
+    err = _unwrap_dry_run(err)
     where = endpoint()
     site = where.removeprefix("https://")
     if isinstance(err, HFValidationError):
@@ -234,34 +221,32 @@ def _hub_errors(err: Exception, repo_id: str, revision: str | None) -> MlxspecEr
                         "check your network connection (or HF_ENDPOINT)")
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         free = shutil.disk_usage(hf_cache_dir()).free if hf_cache_dir().exists() else None
-        left = f" ({_human(free)} left)" if free is not None else ""
+        left = f" ({human_bytes(free)} left)" if free is not None else ""
         return HubError(f"disk full while downloading '{repo_id}' to {display_path(hf_cache_dir())}{left}; "
                         "free some space (`mlxspec list`, `mlxspec rm MODEL`) and pull again to resume")
-    try:
-        import httpx2 as httpx  # what huggingface_hub 2.x uses
-    except ImportError:  # pragma: no cover
-        import httpx
     if isinstance(err, DryRunError):
         return HubError(f"cannot reach {where} for '{repo_id}': check your network connection (or HF_ENDPOINT)")
-    if isinstance(err, (httpx.TransportError,)):
+    if isinstance(err, _httpx().TransportError):
         detail = " ".join(str(err).split())[:120] or type(err).__name__
         return HubError(f"network error while downloading '{repo_id}' from {where}: {detail}; "
                         "run the same command again to resume")
     return None
 
 
-def _human(n: int | None) -> str:
-    if n is None:
-        return "?"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
+def _unwrap_dry_run(err: BaseException) -> BaseException:
+    from huggingface_hub.errors import DryRunError
+
+    while isinstance(err, DryRunError) and err.__cause__ is not None:  # dry runs wrap the real error
+        err = err.__cause__
+    return err
 
 
-human_size = _human
+def _httpx():
+    try:
+        import httpx2 as httpx  # what huggingface_hub 2.x uses
+    except ImportError:  # pragma: no cover
+        import httpx
+    return httpx
 
 
 def _snapshot(repo_id: str, **kwargs):
@@ -370,15 +355,10 @@ def _fetch_blob(repo_id: str, filename: str, commit: str | None, tqdm_class) -> 
 
 
 def _is_connection_error(err: BaseException) -> bool:
-    from huggingface_hub.errors import DryRunError, OfflineModeIsEnabled
+    from huggingface_hub.errors import OfflineModeIsEnabled
 
-    try:
-        import httpx2 as httpx
-    except ImportError:  # pragma: no cover
-        import httpx
-    while isinstance(err, DryRunError) and err.__cause__ is not None:
-        err = err.__cause__
-    return isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout, OfflineModeIsEnabled))
+    httpx = _httpx()
+    return isinstance(_unwrap_dry_run(err), (httpx.ConnectError, httpx.ConnectTimeout, OfflineModeIsEnabled))
 
 
 def _cached(repo_id: str, revision: str, allow, ignore) -> Path | None:
@@ -445,7 +425,7 @@ def list_models() -> list[dict]:
         path = Path(revision.snapshot_path)
         row = {"repo_id": repo.repo_id, "revision": revision.commit_hash,
                "refs": sorted(revision.refs), "size_bytes": repo.size_on_disk,
-               "size": _human(repo.size_on_disk), "path": str(path)}
+               "size": human_bytes(repo.size_on_disk), "path": str(path)}
         try:
             config = json.loads((path / "config.json").read_text(encoding="utf-8"))
             if not isinstance(config, dict):

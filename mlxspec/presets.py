@@ -17,11 +17,15 @@ acceptance and this machine's verify cost); ``gates`` turns that adaptive on/off
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import hardware
 from .errors import MlxspecError, UsageError
-from .hardware import Profile, human_bytes
+from .hardware import Profile
+from .options import DEFAULT_MAX_DEPTH, check_choice
+from .units import human_bytes
 
 
 class DoesNotFitError(MlxspecError):
@@ -31,7 +35,7 @@ class DoesNotFitError(MlxspecError):
 @dataclass(frozen=True)
 class Preset:
     name: str
-    drafter: str  # as mlxspec.api.DRAFTERS
+    drafter: str  # one of mlxspec.options.DRAFTERS
     max_depth: int | None
     gates: bool
     description: str
@@ -41,9 +45,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("auto", "auto", None, True,
            "pick from the model and machine: a draft model if given and it fits the working set, "
            "else the model's MTP head, else prompt lookup"),
-    Preset("mtp", "mtp", 4, True, "the model's native multi-token-prediction head"),
-    Preset("pld", "pld", 8, True, "prompt lookup: free drafts copied from the context"),
-    Preset("draft", "draft", 6, True, "a small draft model sharing the tokenizer (needs --draft-model)"),
+    Preset("mtp", "mtp", DEFAULT_MAX_DEPTH["mtp"], True, "the model's native multi-token-prediction head"),
+    Preset("pld", "pld", DEFAULT_MAX_DEPTH["pld"], True, "prompt lookup: free drafts copied from the context"),
+    Preset("draft", "draft", DEFAULT_MAX_DEPTH["draft"], True,
+           "a small draft model sharing the tokenizer (needs --draft-model)"),
     Preset("off", "none", None, False, "plain decoding, no speculation"),
 )}
 
@@ -147,8 +152,7 @@ def choose(profile: Profile, caps: ModelCaps) -> tuple[Preset, list[str]]:
 def resolve(name: str, profile: Profile | None = None, caps: ModelCaps | None = None
             ) -> tuple[Preset, list[str]]:
     """A preset by name; ``auto`` resolved with choose(); ``draft`` refused when it does not fit."""
-    if name not in PRESETS:
-        raise UsageError(f"unknown preset '{name}'; choose one of {', '.join(PRESETS)}")
+    check_choice("preset", name, PRESETS)
     if name == "auto":
         if profile is None or caps is None:
             return PRESETS["auto"], []
@@ -162,3 +166,60 @@ def resolve(name: str, profile: Profile | None = None, caps: ModelCaps | None = 
             if not fits:
                 raise DoesNotFitError(f"draft model {caps.draft_name} does not fit: {numbers}")
     return preset, [preset.description]
+
+
+@dataclass
+class RunPlan:
+    """What a preset decides for one run or server: the drafter, the draft model still to load,
+    extra ``SpecModel.stream`` options (gates, max_depth), and notes for the user in the order
+    they were decided (memory warning, auto's choice, a --drafter overriding the preset)."""
+
+    drafter: str
+    draft_model: str | None
+    stream_options: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    profile: Profile | None = None
+    load_bytes: int | None = None  # weights about to be loaded: the target and a kept draft model
+
+    def apply_memory_limits(self) -> None:
+        """Wire memory for the weights about to be loaded (Metal only; never raises)."""
+        if self.load_bytes:
+            hardware.apply_memory_limits(self.load_bytes, self.profile)
+
+
+def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: str | None,
+             drafter_given: bool = False) -> RunPlan:
+    """PRESET (None: no preset) applied to this machine and MODEL: the drafter and depth cap to
+    use, whether DRAFT_MODEL is still loaded, and a warning when the weights exceed memory.
+    ``drafter_given``: DRAFTER was asked for explicitly, so it wins over the preset's."""
+    profile = hardware.detect(fast=True)
+    caps = None
+    with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message when loaded
+        caps = model_caps(model, draft_model, look_for_mtp=preset == "auto")
+    chosen = reasons = None
+    if preset is not None:
+        chosen, reasons = resolve(preset, profile, caps or ModelCaps(draft_name=draft_model))
+        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
+            caps.draft_bytes = None  # a refused draft model will not be loaded
+    plan = RunPlan(drafter, draft_model, profile=profile)
+    if caps is not None and caps.model_bytes:
+        plan.load_bytes = caps.model_bytes + (caps.draft_bytes or 0)
+        name = caps.name if not caps.draft_bytes else f"{caps.name} with its draft model"
+        warning = hardware.memory_warning(plan.load_bytes, profile, name)
+        if warning:
+            plan.notes.append(warning)
+    if preset is None:
+        return plan
+    if preset == "auto":
+        plan.notes.append(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
+    plan.stream_options["gates"] = chosen.gates
+    if drafter_given:
+        if drafter != chosen.drafter:
+            plan.notes.append(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+        return plan
+    if chosen.max_depth:
+        plan.stream_options["max_depth"] = chosen.max_depth
+    plan.drafter = chosen.drafter
+    if chosen.drafter != "draft" and preset == "auto":
+        plan.draft_model = None  # refused (or not needed): do not load it
+    return plan

@@ -9,7 +9,8 @@ No mlx import here: the CLI and the config use it before any model is loaded.
 
 from __future__ import annotations
 
-MODES = ("on", "off", "auto")
+from .options import REASONING_MODES as MODES
+
 OPEN, CLOSE = "<think>", "</think>"
 _TAIL = 256  # prompt tokens looked at: the generation prompt plus an assistant prefill
 

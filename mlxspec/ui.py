@@ -30,6 +30,17 @@ def status_text(stats: Stats | None, prefill: tuple[int, int] | None = None) -> 
     return Text(" · ".join(parts), style="dim", no_wrap=True, overflow="ellipsis")  # always one row
 
 
+BAR_EIGHTHS = " ▏▎▍▌▋▊▉█"  # a cell filled 0/8 .. 8/8 from the left
+
+
+def bar(value: float, top: float, width: int = 24) -> str:
+    """A Unicode bar of ``value`` on a scale where ``top`` fills ``width`` cells."""
+    if top <= 0 or value <= 0:
+        return ""
+    eighths = round(min(value / top, 1.0) * width * 8)
+    return "█" * (eighths // 8) + (BAR_EIGHTHS[eighths % 8] if eighths % 8 else "")
+
+
 def stats_line(stats: Stats) -> str:
     """A short one-line summary (piped output, chat turns)."""
     parts = [

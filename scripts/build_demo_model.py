@@ -130,10 +130,10 @@ def token_stream(tokenizer_dir: Path, texts: list[str]) -> np.ndarray:
 
 
 def build_model(vocab_size: int, eos_ids: list[int], pad_id: int):
-    from mlx_lm.utils import _get_classes
+    from mlxspec.compat import model_classes
 
     config = tiny.make_config("qwen3", vocab_size, eos_ids, pad_id, **MODEL_SIZES)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     return model_class(args_class.from_dict(config)), config
 
 

@@ -7,13 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mlxspec"
 
-# Still to break up by the redesign: the server's API modules share types through app.py.
-KNOWN_CIRCLES = {
-    frozenset({"mlxspec.server.anthropic", "mlxspec.server.app", "mlxspec.server.openai"}),
-    # the forward's VJP reaches the backward kernel, which reuses the forward's pieces; the
-    # backward (training only) is to leave the installed package
-    frozenset({"mlxspec.kernels.gdn", "mlxspec.kernels.gdn_grad"}),
-}
+KNOWN_CIRCLES: set[frozenset] = set()
 KNOWN_PRIVATE_FROM: set[str] = set()
 
 

@@ -190,7 +190,7 @@ def test_install_paths_are_documented():
 
 def test_the_wheel_holds_the_product_only(tmp_path):
     """Built from this tree, the wheel has the package and its assets, and none of the test
-    checkpoint builders (they live in tests/)."""
+    checkpoint builders nor the training-only GatedDeltaNet backward (they live in tests/)."""
     import zipfile
 
     root = Path(__file__).resolve().parents[1]
@@ -201,4 +201,4 @@ def test_the_wheel_holds_the_product_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mlxspec/engine/speculate.py" in names and "mlxspec/assets/demo/model.safetensors" in names
     assert not [n for n in names if n.startswith("tests/") or n.split("/")[-1] in ("tiny.py", "tiny_mtp.py",
-                                                                                  "conftest.py")]
+                                                                                  "conftest.py", "gdn_grad.py")]

@@ -18,7 +18,8 @@ from mlxspec import api, cli
 from mlxspec.cli import chat as cli_chat
 from mlxspec.engine.stats import Stats
 from mlxspec.reasoning import MODES, ReasoningSplitter, split, starts_in_reasoning, template_kwargs
-from mlxspec.server.app import Settings, create_app
+from mlxspec.server.app import create_app
+from mlxspec.server.common import Settings
 from server_helpers import running
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

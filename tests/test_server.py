@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from mlxspec.api import load
-from mlxspec.server.app import Settings, create_app
+from mlxspec.server.app import create_app
+from mlxspec.server.common import Settings
 from mlxspec.server.tools import ToolCallParser
 from server_helpers import running
 

@@ -11,7 +11,8 @@ import pytest
 
 from mlxspec import api
 from mlxspec.server import anthropic as surface
-from mlxspec.server.app import Settings, create_app
+from mlxspec.server.app import create_app
+from mlxspec.server.common import Settings
 from server_helpers import running
 
 KEY = "x"

@@ -5,7 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mlxspec import cli, tune
+from mlxspec import cli
+from mlxspec.tuning import measure, storage
 from mlxspec.api import load
 
 KEYS = {"version", "created", "machine", "model", "draft_model", "verify_cost", "draft_cost",
@@ -16,7 +17,7 @@ KEYS = {"version", "created", "machine", "model", "draft_model", "verify_cost", 
 def dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.delenv(tune.DATA_ENV, raising=False)
+    monkeypatch.delenv(storage.DATA_ENV, raising=False)
     for name in ("MLXSPEC_DEFAULT_MODEL", "MLXSPEC_DRAFTER", "MLXSPEC_TEMP", "MLXSPEC_MAX_TOKENS"):
         monkeypatch.delenv(name, raising=False)
     return tmp_path
@@ -29,11 +30,11 @@ def _no_measuring(*args, **kwargs):
 def test_tune_with_draft_model_stores_and_is_read_back(dirs, tiny_qwen3, tiny_qwen3_draft, monkeypatch):
     spec = load(str(tiny_qwen3), draft_model=str(tiny_qwen3_draft))
     steps = []
-    result = tune.run_tune(spec, max_tokens=24, reps=1, context=32,
-                           on_step=lambda message, done, total: steps.append((done, total)))
-    path = tune.result_path(spec.target)
+    result = measure.run_tune(spec, max_tokens=24, reps=1, context=32,
+                              on_step=lambda message, done, total: steps.append((done, total)))
+    path = storage.result_path(spec.target)
     assert str(path) == result["path"] and path.is_file()
-    assert str(path).startswith(str(dirs / "data" / "mlxspec" / "tune" / tune.machine_key()))
+    assert str(path).startswith(str(dirs / "data" / "mlxspec" / "tune" / storage.machine_key()))
     stored = json.loads(path.read_text())
     assert KEYS <= stored.keys()
     assert [int(n) for n in stored["verify_cost"]] == list(range(1, 17))
@@ -41,12 +42,12 @@ def test_tune_with_draft_model_stores_and_is_read_back(dirs, tiny_qwen3, tiny_qw
     assert set(stored["draft_cost"]) == {"pld", "draft"} and stored["draft_cost"]["pld"] == 0.0
     assert stored["draft_cost"]["draft"] > 0
     for name in ("pld", "draft"):
-        assert set(stored["acceptance"][name]) == set(tune.PROMPTS) | {"all"}
+        assert set(stored["acceptance"][name]) == set(measure.PROMPTS) | {"all"}
         row = stored["acceptance"][name]["all"]
-        assert len(row["position_drafted"]) == len(row["position_accepted"]) == tune.TUNE_DEPTH
+        assert len(row["position_drafted"]) == len(row["position_accepted"]) == measure.TUNE_DEPTH
     # the draft model drafts every step at depth 8: its depth is chosen from data
     assert stored["acceptance"]["draft"]["all"]["position_drafted"][0] > 0
-    assert 1 <= stored["depth"]["draft"]["depth"] <= tune.TUNE_DEPTH
+    assert 1 <= stored["depth"]["draft"]["depth"] <= measure.TUNE_DEPTH
     assert steps[-1][0] == steps[-1][1]  # the progress reached its total
 
     # a fresh load of the same model reads the stored curve and does not measure
@@ -66,38 +67,38 @@ def test_tune_with_draft_model_stores_and_is_read_back(dirs, tiny_qwen3, tiny_qw
     paired = load(str(tiny_qwen3), draft_model=str(tiny_qwen3_draft))
     paired.generate("hello", max_tokens=4, drafter="draft", gates=False)  # draft whatever the costs
     assert costs and costs[0] == stored["draft_cost"]["draft"]
-    assert tune.stored_draft_cost(paired.target, "draft", None) is None
+    assert storage.stored_draft_cost(paired.target, "draft", None) is None
 
 
 def test_tune_mtp_head(dirs, tiny_qwen3_5):
     spec = load(str(tiny_qwen3_5))
-    result = tune.run_tune(spec, max_tokens=16, reps=1, context=32)
+    result = measure.run_tune(spec, max_tokens=16, reps=1, context=32)
     assert set(result["draft_cost"]) == {"pld", "mtp"} and result["draft_cost"]["mtp"] > 0
     assert result["acceptance"]["mtp"]["all"]["position_drafted"][0] > 0
-    assert 1 <= result["depth"]["mtp"]["depth"] <= tune.TUNE_DEPTH
+    assert 1 <= result["depth"]["mtp"]["depth"] <= measure.TUNE_DEPTH
 
 
 def test_unreadable_result_is_ignored(dirs, tiny_qwen3):
     spec = load(str(tiny_qwen3))
-    path = tune.result_path(spec.target)
+    path = storage.result_path(spec.target)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert tune.stored_cost(spec.target) is None
+    assert storage.stored_cost(spec.target) is None
 
 
 def test_depth_choice_uses_the_gate_formula():
     from mlxspec.engine.gates import CostModel
 
     cost = CostModel(curve={n: 1.0 for n in range(1, 17)}, measured=True)  # free verification
-    perfect = tune.depth_speedups([100] * 8, [100] * 8, cost, 0.0)
+    perfect = measure.depth_speedups([100] * 8, [100] * 8, cost, 0.0)
     assert max(perfect, key=perfect.get) == 8
-    never = tune.depth_speedups([100] * 8, [0] * 8, CostModel(slope=0.5), 0.1)
+    never = measure.depth_speedups([100] * 8, [0] * 8, CostModel(slope=0.5), 0.1)
     assert max(never, key=never.get) == 1 and never[1] < 1
 
 
 def test_tune_json_cli(dirs, tiny_qwen3, monkeypatch):
-    real = tune.run_tune
-    monkeypatch.setattr(tune, "run_tune", lambda spec, **kw: real(spec, **{**kw, "reps": 1, "context": 32}))
+    real = measure.run_tune
+    monkeypatch.setattr(measure, "run_tune", lambda spec, **kw: real(spec, **{**kw, "reps": 1, "context": 32}))
     res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--json", "--max-tokens", "12"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)

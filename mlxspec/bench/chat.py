@@ -1,5 +1,5 @@
 """``mlxspec bench --chat``: time to first token on each turn of a growing chat, with and
-without prefix reuse, and mlx-lm's for comparison (issue 5).
+without prefix reuse, and mlx-lm's for comparison: what reusing a conversation's cache saves.
 
 The conversation is token ids, no tokenizer: user blocks of pseudo-random ids (fixed seed) and
 the model's own greedy answers. Turn k's prompt is turn k-1's prompt + its answer + user block

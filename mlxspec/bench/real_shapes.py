@@ -309,10 +309,11 @@ def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
     for cell in cells:
         mine = runs[cell.key]
         base = runs[Cell(cell.workload, BASELINE, None, cell.temperature).key]
-        tps = statistics.median(r.tps for r in mine)
-        base_tps = statistics.median(r.tps for r in base)
-        plain_ms = 1e3 / base_tps
-        ideals = [bench.ideal(cell, r, plain_ms) for r in mine]
+        # a run of one token (or one step) has no decode time: no rate, no ratios
+        timed = all(r.tps for r in mine + base)
+        tps = statistics.median(r.tps for r in mine) if timed else None
+        base_tps = statistics.median(r.tps for r in base) if timed else None
+        ideals = [bench.ideal(cell, r, 1e3 / base_tps) for r in mine] if timed else [None]
         ideal = statistics.median(ideals) if None not in ideals else None
         want = bench.scripts[cell.workload].continuation[: bench.max_tokens]
         drafted = sum(r.stats["drafted"] for r in mine) if mine[0].stats else None
@@ -324,19 +325,19 @@ def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
             accepted = sum(r.from_draft for r in mine)
         # Within a repetition the cells run back to back: the ratio to that repetition's
         # mlx-lm run cancels the slow drifts of a shared machine better than a ratio of medians.
-        speedup = statistics.median(r.tps / b.tps for r, b in zip(mine, base))
+        speedup = statistics.median(r.tps / b.tps for r, b in zip(mine, base)) if timed else None
         out.append({
             "shape": bench.shape, "workload": cell.workload, "engine": cell.engine,
             "depth": cell.depth if cell.depth is not None else "auto",
             "temperature": cell.temperature,
-            "tps": round(tps, 2), "speedup": round(speedup, 3),
-            "speedup_of_medians": round(tps / base_tps, 3),
+            "tps": round(tps, 2) if timed else None, "speedup": round(speedup, 3) if timed else None,
+            "speedup_of_medians": round(tps / base_tps, 3) if timed else None,
             "ideal": round(ideal, 3) if ideal else None,
             "achieved_over_ideal": round(speedup / ideal, 3) if ideal else None,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "tokens_per_step": round(sum(len(r.tokens) for r in mine) / sum(steps), 3),
             "identical": all(r.tokens == want for r in mine),
-            "reps_tps": [round(r.tps, 2) for r in mine],
+            "reps_tps": [round(r.tps, 2) if r.tps else None for r in mine],
             "mean_depth": (round(statistics.mean(r.stats["mean_depth"] for r in mine), 2)
                            if mine[0].stats else None),
             "queued_used": sum(r.stats.get("queued_used", 0) for r in mine) if mine[0].stats else None,

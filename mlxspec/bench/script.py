@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compat import swap_class
 from ..engine.drafters.base import Draft
 from ..engine.drafters.mtp import MTPDrafter
 from ..engine.drafters.pld import PromptLookupDrafter
@@ -131,7 +132,7 @@ class ScriptedLogits:
             return base.__call__(self_, inputs, cache, *args, **kwargs)
 
         # a subclass for this one instance: the model's own __call__ reaches it unchanged
-        body.__class__ = type(f"Scripted{base.__name__}", (base,), {"__call__": call})
+        swap_class(body, type(f"Scripted{base.__name__}", (base,), {"__call__": call}))
         if hasattr(lm, "lm_head") and not getattr(lm.args, "tie_word_embeddings", False):
             lm.lm_head = _Head(lm.lm_head, self)
         else:

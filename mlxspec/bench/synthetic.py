@@ -44,7 +44,7 @@ HYBRID = {
                         linear_num_key_heads=16, linear_num_value_heads=48,
                         vocab_size=248320, tie_word_embeddings=False),
 }
-# Qwen3.6-35B-A3B's text_config (../shared reference config): 40 layers, 256 experts of 512, 8
+# Qwen3.6-35B-A3B's text_config (its published config.json): 40 layers, 256 experts of 512, 8
 # routed per token plus a shared expert; each verified token activates its own experts.
 HYBRID["qwen3.6-35b-a3b"] = dict(
     hidden_size=2048, num_hidden_layers=40, intermediate_size=512, num_attention_heads=16,

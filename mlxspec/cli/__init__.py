@@ -6,13 +6,15 @@ import sys
 
 from ..errors import MlxspecError
 # each command module registers its commands on the app, in the order `--help` lists them
-from . import run  # noqa: F401  isort: skip
-from . import machine  # noqa: F401  isort: skip
-from . import bench  # noqa: F401  isort: skip
-from . import serve  # noqa: F401  isort: skip
+from . import run  # isort: skip
+from . import machine  # isort: skip
+from . import bench  # isort: skip
+from . import serve  # isort: skip
+from ..options import DRAFTERS
 from .app import app
-from .console import DEBUG_ENV, DRAFTERS, print_error
+from .console import DEBUG_ENV, print_error
 
+COMMAND_MODULES = (run, machine, bench, serve)  # imported for their commands, in --help's order
 __all__ = ["DRAFTERS", "app", "main"]
 
 

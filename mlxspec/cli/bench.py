@@ -8,12 +8,16 @@ from typing import Annotated, Optional
 import typer
 
 from .app import app
-from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
+from .console import (complete_model, help_text, load_with_spinner, print_note, stderr_console, stdout_console,
+                      user_errors)
 from ..errors import UsageError
+from ..options import DRAFTERS, MAX_DEPTH, MIN_DEPTH, check_values
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
 DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
 DEFAULT_WORKLOADS = "benchmarks/workloads"
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype casts the loaded models to
+QUANT_BITS = (0, 2, 3, 4, 5, 6, 8)  # --bits of the random-weight models; 0 is bf16
 
 BENCH_HELP = help_text("""
 Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; or, with
@@ -103,136 +107,162 @@ def _outputs(docs, json_path, png_path) -> None:
         print_note(f"wrote {png_path}")
 
 
+# each option's declaration, so that the command's signature reads as a list of names
+ModelArgument = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, autocompletion=complete_model,
+    help=f"Target model: local folder or cached Hugging Face repo id (default: {DEFAULT_MODEL}, "
+         "if that folder exists here).")]
+DraftModelOption = Annotated[Optional[str], typer.Option(
+    "--draft-model", metavar="PATH_OR_REPO", show_default=False,
+    help=f"Draft model sharing MODEL's tokenizer, for mlx-lm-draft and mlxspec-draft (default: "
+         f"{DEFAULT_DRAFT} when MODEL is the default and that folder exists).")]
+WorkloadsDirOption = Annotated[str, typer.Option(
+    "--workloads-dir", metavar="DIR", help="Folder of NAME.jsonl prompt sets.")]
+WorkloadsOption = Annotated[Optional[str], typer.Option(
+    "--workloads", metavar="NAMES", show_default=False,
+    help="Comma-separated workload names, e.g. echo,completion (default: every .jsonl in DIR).")]
+PromptsOption = Annotated[Optional[int], typer.Option(
+    "--prompts", metavar="N", show_default=False,
+    help="Use only the first N prompts of each workload (default: all).")]
+MaxTokensOption = Annotated[Optional[int], typer.Option(
+    "--max-tokens", metavar="N", show_default=False,
+    help="Tokens to generate per prompt, replacing each prompt's own max_tokens.")]
+EnginesOption = Annotated[Optional[str], typer.Option(
+    "--engines", metavar="NAMES", show_default=False,
+    help="Comma-separated subset of mlx-lm, mlx-lm-draft, mlxspec-none, mlxspec-pld, "
+         "mlxspec-draft, mlxspec-mtp, mlxspec-auto (default: all; mlx-lm always runs).")]
+RepsOption = Annotated[Optional[int], typer.Option(
+    "--reps", metavar="N", show_default=False,
+    help="Repetitions, of which the median is reported (default 3; with --sweep: timed "
+         "forwards per width, default 5).")]
+DraftDepthOption = Annotated[int, typer.Option(
+    "--draft-depth", metavar="K", help="Tokens mlx-lm-draft drafts per step (num_draft_tokens).")]
+DepthOption = Annotated[Optional[int], typer.Option(
+    "--depth", metavar="K", show_default=False,
+    help="Fixed draft depth for the mlxspec engines (default: each engine chooses, as in `run`).")]
+GatesOption = Annotated[bool, typer.Option(
+    "--gates/--no-gates", help="Let the mlxspec engines switch speculation off where it does not "
+                               "pay (as `run` does); --no-gates drafts at every step, to see "
+                               "the drafters' acceptance apart from the gates' decisions.")]
+TemperatureOption = Annotated[float, typer.Option(
+    "--temperature", metavar="T", help="Temperature of the second (sampling) pass.")]
+TempPassOption = Annotated[bool, typer.Option(
+    "--temp-pass/--no-temp-pass", help="Run the second pass at --temperature (mlx-lm and the "
+                                       "engines that draft), after the temperature-0 pass.")]
+SeedOption = Annotated[int, typer.Option(
+    "--seed", help="Seed of the sampling pass: prompt i of every engine starts from seed + i.")]
+JsonPathOption = Annotated[Optional[str], typer.Option(
+    "--json", metavar="PATH", show_default=False,
+    help="Write every raw number (per prompt and repetition), the medians, the environment "
+         "(versions, device, models) and the command line to PATH.")]
+PngPathOption = Annotated[Optional[str], typer.Option(
+    "--png", metavar="PATH", show_default=False,
+    help='Draw a bar chart of the speedups (a line chart for --sweep) to PATH; needs '
+         'matplotlib (pip install "mlxspec\\[bench]").')]
+FromJsonOption = Annotated[Optional[list[str]], typer.Option(
+    "--from-json", metavar="PATH", show_default=False,
+    help="Run nothing: print the tables of saved --json results (repeatable; --png draws "
+         "them all in one chart).")]
+SweepOption = Annotated[Optional[str], typer.Option(
+    "--sweep", metavar="SHAPES", show_default=False,
+    help="Instead of the engines: time forwards of 1..--sweep-tokens tokens over a warm cache "
+         "on random weights shaped like these (comma-separated): qwen3-0.6b, qwen3-1.7b, "
+         "qwen3-8b, qwen3.5-9b-like, qwen3.6-27b, or smoke / smoke-hybrid (tiny); 'all' is "
+         "qwen3-1.7b,qwen3-8b,qwen3.5-9b-like,qwen3.6-27b.")]
+BitsOption = Annotated[int, typer.Option(
+    "--bits", help="Sweep: quantize the random weights to this many bits (0: bf16).")]
+SweepTokensOption = Annotated[int, typer.Option(
+    "--sweep-tokens", metavar="N", help="Sweep: the largest forward, in tokens.")]
+DtypeOption = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="DTYPE",
+    help="Cast the loaded models (and MTP head) to float32, bfloat16 or float16 before "
+         "measuring (default: as stored). float32 makes the identity column meaningful on "
+         "backends whose bf16 kernels do not repeat bit for bit.")]
+SweepContextOption = Annotated[int, typer.Option(
+    "--sweep-context", metavar="N", help="Sweep: tokens in the cache at the start (each "
+                                         "forward keeps one token, so every call meets a new "
+                                         "key length, as in generation).")]
+ChatOption = Annotated[bool, typer.Option(
+    "--chat", help="Instead of the engines: time to first token on each turn of a growing "
+                   "chat, with and without prefix reuse, and mlx-lm's (see above).")]
+ChatShapesOption = Annotated[Optional[str], typer.Option(
+    "--chat-shapes", metavar="SHAPES", show_default=False,
+    help="Chat: instead of MODEL, random-weight models of these shapes (comma-separated, as "
+         "for --sweep, quantized to --bits), one at a time.")]
+ChatTurnsOption = Annotated[Optional[int], typer.Option(
+    "--chat-turns", metavar="N", show_default=False, help="Chat: turns (default 5).")]
+ChatContextOption = Annotated[Optional[int], typer.Option(
+    "--chat-context", metavar="N", show_default=False,
+    help="Chat: tokens in the last turn's prompt (default 4096, or what MODEL's context "
+         "leaves after the answer).")]
+ChatUserTokensOption = Annotated[Optional[int], typer.Option(
+    "--chat-user-tokens", metavar="N", show_default=False,
+    help="Chat: tokens of each user block after the first (default 256, fewer when "
+         "--chat-context is too short for that).")]
+DrafterOption = Annotated[Optional[str], typer.Option(
+    "--drafter", metavar="NAME", show_default=False,
+    help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, draft "
+         "(with --draft-model), auto.")]
+RealShapesOption = Annotated[Optional[str], typer.Option(
+    "--real-shapes", metavar="SHAPES", show_default=False,
+    help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
+         "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b and smoke-moe); 'all' is "
+         "qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. Default --reps 5, --max-tokens 128, "
+         "--workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
+PromptTokensOption = Annotated[int, typer.Option(
+    "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")]
+DepthsOption = Annotated[str, typer.Option(
+    "--depths", metavar="LIST", help="Real shapes: the forced depths of the ideal curve "
+                                     f"(comma-separated, {MIN_DEPTH}-{MAX_DEPTH}).")]
+KernelsOffOption = Annotated[bool, typer.Option(
+    "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
+                          "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
+                          "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")]
+
+
 @app.command(help=BENCH_HELP)
 def bench(
-    model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False, autocompletion=complete_model,
-        help=f"Target model: local folder or cached Hugging Face repo id (default: {DEFAULT_MODEL}, "
-             "if that folder exists here).")] = None,
-    draft_model: Annotated[Optional[str], typer.Option(
-        "--draft-model", metavar="PATH_OR_REPO", show_default=False,
-        help=f"Draft model sharing MODEL's tokenizer, for mlx-lm-draft and mlxspec-draft (default: "
-             f"{DEFAULT_DRAFT} when MODEL is the default and that folder exists).")] = None,
-    workloads_dir: Annotated[str, typer.Option(
-        "--workloads-dir", metavar="DIR", help="Folder of NAME.jsonl prompt sets.")] = DEFAULT_WORKLOADS,
-    workloads: Annotated[Optional[str], typer.Option(
-        "--workloads", metavar="NAMES", show_default=False,
-        help="Comma-separated workload names, e.g. echo,completion (default: every .jsonl in DIR).")] = None,
-    prompts: Annotated[Optional[int], typer.Option(
-        "--prompts", metavar="N", show_default=False,
-        help="Use only the first N prompts of each workload (default: all).")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        "--max-tokens", metavar="N", show_default=False,
-        help="Tokens to generate per prompt, replacing each prompt's own max_tokens.")] = None,
-    engines: Annotated[Optional[str], typer.Option(
-        "--engines", metavar="NAMES", show_default=False,
-        help="Comma-separated subset of mlx-lm, mlx-lm-draft, mlxspec-none, mlxspec-pld, "
-             "mlxspec-draft, mlxspec-mtp, mlxspec-auto (default: all; mlx-lm always runs).")] = None,
-    reps: Annotated[Optional[int], typer.Option(
-        "--reps", metavar="N", show_default=False,
-        help="Repetitions, of which the median is reported (default 3; with --sweep: timed "
-             "forwards per width, default 5).")] = None,
-    draft_depth: Annotated[int, typer.Option(
-        "--draft-depth", metavar="K", help="Tokens mlx-lm-draft drafts per step (num_draft_tokens).")] = 3,
-    depth: Annotated[Optional[int], typer.Option(
-        "--depth", metavar="K", show_default=False,
-        help="Fixed draft depth for the mlxspec engines (default: each engine chooses, as in `run`).")] = None,
-    gates: Annotated[bool, typer.Option(
-        "--gates/--no-gates", help="Let the mlxspec engines switch speculation off where it does not "
-                                   "pay (as `run` does); --no-gates drafts at every step, to see "
-                                   "the drafters' acceptance apart from the gates' decisions.")] = True,
-    temperature: Annotated[float, typer.Option(
-        "--temperature", metavar="T", help="Temperature of the second (sampling) pass.")] = 0.7,
-    temp_pass: Annotated[bool, typer.Option(
-        "--temp-pass/--no-temp-pass", help="Run the second pass at --temperature (mlx-lm and the "
-                                           "engines that draft), after the temperature-0 pass.")] = True,
-    seed: Annotated[int, typer.Option(
-        "--seed", help="Seed of the sampling pass: prompt i of every engine starts from seed + i.")] = 0,
-    json_path: Annotated[Optional[str], typer.Option(
-        "--json", metavar="PATH", show_default=False,
-        help="Write every raw number (per prompt and repetition), the medians, the environment "
-             "(versions, device, models) and the command line to PATH.")] = None,
-    png_path: Annotated[Optional[str], typer.Option(
-        "--png", metavar="PATH", show_default=False,
-        help='Draw a bar chart of the speedups (a line chart for --sweep) to PATH; needs '
-             'matplotlib (pip install "mlxspec\\[bench]").')] = None,
-    from_json: Annotated[Optional[list[str]], typer.Option(
-        "--from-json", metavar="PATH", show_default=False,
-        help="Run nothing: print the tables of saved --json results (repeatable; --png draws "
-             "them all in one chart).")] = None,
-    sweep: Annotated[Optional[str], typer.Option(
-        "--sweep", metavar="SHAPES", show_default=False,
-        help="Instead of the engines: time forwards of 1..--sweep-tokens tokens over a warm cache "
-             "on random weights shaped like these (comma-separated): qwen3-0.6b, qwen3-1.7b, "
-             "qwen3-8b, qwen3.5-9b-like, qwen3.6-27b, or smoke / smoke-hybrid (tiny); 'all' is "
-             "qwen3-1.7b,qwen3-8b,qwen3.5-9b-like,qwen3.6-27b.")] = None,
-    bits: Annotated[int, typer.Option(
-        "--bits", help="Sweep: quantize the random weights to this many bits (0: bf16).")] = 4,
-    sweep_tokens: Annotated[int, typer.Option(
-        "--sweep-tokens", metavar="N", help="Sweep: the largest forward, in tokens.")] = 16,
-    dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", metavar="DTYPE",
-        help="Cast the loaded models (and MTP head) to float32, bfloat16 or float16 before "
-             "measuring (default: as stored). float32 makes the identity column meaningful on "
-             "backends whose bf16 kernels do not repeat bit for bit.")] = None,
-    sweep_context: Annotated[int, typer.Option(
-        "--sweep-context", metavar="N", help="Sweep: tokens in the cache at the start (each "
-                                             "forward keeps one token, so every call meets a new "
-                                             "key length, as in generation).")] = 256,
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="Instead of the engines: time to first token on each turn of a growing "
-                       "chat, with and without prefix reuse, and mlx-lm's (see above).")] = False,
-    chat_shapes: Annotated[Optional[str], typer.Option(
-        "--chat-shapes", metavar="SHAPES", show_default=False,
-        help="Chat: instead of MODEL, random-weight models of these shapes (comma-separated, as "
-             "for --sweep, quantized to --bits), one at a time.")] = None,
-    chat_turns: Annotated[Optional[int], typer.Option(
-        "--chat-turns", metavar="N", show_default=False, help="Chat: turns (default 5).")] = None,
-    chat_context: Annotated[Optional[int], typer.Option(
-        "--chat-context", metavar="N", show_default=False,
-        help="Chat: tokens in the last turn's prompt (default 4096, or what MODEL's context "
-             "leaves after the answer).")] = None,
-    chat_user_tokens: Annotated[Optional[int], typer.Option(
-        "--chat-user-tokens", metavar="N", show_default=False,
-        help="Chat: tokens of each user block after the first (default 256, fewer when "
-             "--chat-context is too short for that).")] = None,
-    drafter: Annotated[Optional[str], typer.Option(
-        "--drafter", metavar="NAME", show_default=False,
-        help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, draft "
-             "(with --draft-model), auto.")] = None,
-    real_shapes: Annotated[Optional[str], typer.Option(
-        "--real-shapes", metavar="SHAPES", show_default=False,
-        help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
-             "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b and smoke-moe); 'all' is "
-             "qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. Default --reps 5, --max-tokens 128, "
-             "--workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")] = None,
-    prompt_tokens: Annotated[int, typer.Option(
-        "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")] = 512,
-    depths: Annotated[str, typer.Option(
-        "--depths", metavar="LIST", help="Real shapes: the forced depths of the ideal curve "
-                                         "(comma-separated, 1-16).")] = "1,2,3,4,5,6,7,8",
-    kernels_off: Annotated[bool, typer.Option(
-        "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
-             "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
-             "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")] = False,
+    model: ModelArgument = None,
+    draft_model: DraftModelOption = None,
+    workloads_dir: WorkloadsDirOption = DEFAULT_WORKLOADS,
+    workloads: WorkloadsOption = None,
+    prompts: PromptsOption = None,
+    max_tokens: MaxTokensOption = None,
+    engines: EnginesOption = None,
+    reps: RepsOption = None,
+    draft_depth: DraftDepthOption = 3,
+    depth: DepthOption = None,
+    gates: GatesOption = True,
+    temperature: TemperatureOption = 0.7,
+    temp_pass: TempPassOption = True,
+    seed: SeedOption = 0,
+    json_path: JsonPathOption = None,
+    png_path: PngPathOption = None,
+    from_json: FromJsonOption = None,
+    sweep: SweepOption = None,
+    bits: BitsOption = 4,
+    sweep_tokens: SweepTokensOption = 16,
+    dtype: DtypeOption = None,
+    sweep_context: SweepContextOption = 256,
+    chat: ChatOption = False,
+    chat_shapes: ChatShapesOption = None,
+    chat_turns: ChatTurnsOption = None,
+    chat_context: ChatContextOption = None,
+    chat_user_tokens: ChatUserTokensOption = None,
+    drafter: DrafterOption = None,
+    real_shapes: RealShapesOption = None,
+    prompt_tokens: PromptTokensOption = 512,
+    depths: DepthsOption = "1,2,3,4,5,6,7,8",
+    kernels_off: KernelsOffOption = False,
 ) -> None:
     with user_errors():
         if from_json:
             _check(json_path is None and sweep is None and model is None and not chat,
                    "--from-json only redraws saved results: give no MODEL, --sweep, --chat or --json")
-            from ..bench.report import check_matplotlib, read_json
-
-            docs = [read_json(path) for path in from_json]
-            if png_path:
-                check_matplotlib()
-            _outputs(docs, None, png_path)
+            _redraw(from_json, png_path)
             return
-        _check(reps is None or reps >= 1, f"--reps must be at least 1, got {reps}")
-        _check(1 <= draft_depth <= 16, f"--draft-depth must be between 1 and 16, got {draft_depth}")
-        _check(depth is None or 1 <= depth <= 16, f"--depth must be between 1 and 16, got {depth}")
-        _check(temperature >= 0, f"--temperature must be 0 or more, got {temperature}")
-        _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
-        _check(max_tokens is None or max_tokens >= 1, f"--max-tokens must be at least 1, got {max_tokens}")
+        _check_counts(reps=reps, draft_depth=draft_depth, depth=depth, temperature=temperature, prompts=prompts,
+                      max_tokens=max_tokens)
         if png_path:
             from ..bench.report import check_matplotlib
 
@@ -241,99 +271,145 @@ def bench(
                       "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}
         given = [flag for flag, value in chat_flags.items() if value is not None]
         _check(chat or not given, f"{given[0] if given else ''} needs --chat")
+        outputs = (json_path, png_path)
         if chat:
             _check(sweep is None, "--chat and --sweep are two benchmarks: give one")
             _run_chat(model, draft_model, chat_shapes, chat_turns, chat_context, chat_user_tokens,
-                      drafter, max_tokens, reps, bits, dtype, json_path, png_path)
-            return
-        if real_shapes is not None:
+                      drafter, max_tokens, reps, bits, dtype, *outputs)
+        elif real_shapes is not None:
             _check(sweep is None, "--real-shapes and --sweep are two benchmarks: give one")
             _check(model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL or --draft-model")
-            _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-            from ..bench.prompts import parse_list
-            from ..bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
-            from ..bench.report import real_shapes_document
-
-            shapes = parse_shapes(real_shapes)
-            chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
-            given = parse_list(depths, "depths")
-            _check(all(d.isdigit() and 1 <= int(d) <= 16 for d in given),
-                   f"--depths must be numbers from 1 to 16, got {depths}")
-            forced = [int(d) for d in given]
-
-            def save_partial(result):  # the repetitions done survive a run stopped later
-                if json_path:
-                    from ..bench.report import write_json
-
-                    write_json(real_shapes_document(result), json_path)
-
-            with _progress("real shapes") as on_step:
-                result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens,
-                                         max_tokens=max_tokens or 128, reps=reps or 5, workloads=chosen,
-                                         depths=tuple(forced), seed=seed,
-                                         temperature=temperature if temp_pass else None,
-                                         on_step=on_step, on_partial=save_partial)
-            _outputs([real_shapes_document(result)], json_path, png_path)
-            if not all(c["identical"] for c in result["cells"]):
-                print_note("note: some cell's tokens differ from the script (column identical)")
-            return
-        if sweep is not None:
+            _run_real_shapes(real_shapes, bits=bits, workloads=workloads, depths=depths, prompt_tokens=prompt_tokens,
+                             max_tokens=max_tokens or 128, reps=reps or 5, seed=seed,
+                             temperature=temperature if temp_pass else None, outputs=outputs)
+        elif sweep is not None:
             _check(model is None and draft_model is None,
                    "--sweep builds its own random models: give no MODEL or --draft-model")
-            _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-            from ..kernels import cuda
+            _run_sweep(sweep, bits=bits, kernels_off=kernels_off, tokens=sweep_tokens, context=sweep_context,
+                       reps=reps or 5, outputs=outputs)
+        else:
+            _run_engines(model, draft_model, dtype, workloads_dir=workloads_dir, workloads=workloads,
+                         prompts=prompts, max_tokens=max_tokens, engines=engines, draft_depth=draft_depth,
+                         depth=depth, reps=reps, temperature=temperature, temp_pass=temp_pass, seed=seed,
+                         gates=gates, outputs=outputs)
 
-            _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
-                   "machine is not running MLX's CUDA backend, where they are never on")
-            from ..bench.report import sweep_document
-            from ..bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
 
-            shapes = list(DEFAULT_SHAPES) if sweep.strip() == "all" else parse_shapes(sweep)
-            with _progress("sweep") as on_step:
-                result = run_sweep(shapes, bits=bits, max_tokens=sweep_tokens, context=sweep_context,
-                                   reps=reps or 5, on_step=on_step, kernels_off=kernels_off)
-            _outputs([sweep_document(result)], json_path, png_path)
-            return
+def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens) -> None:
+    """The flags every benchmark shares, checked before anything is built or loaded."""
+    _check(reps is None or reps >= 1, f"--reps must be at least 1, got {reps}")
+    check_values({"depth": draft_depth}, {"depth": "--draft-depth"})
+    check_values({"depth": depth, "temperature": temperature}, {"depth": "--depth", "temperature": "--temperature"})
+    _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
+    check_values({"max_tokens": max_tokens}, {"max_tokens": "--max-tokens"})
 
-        from ..bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
 
-        chosen = parse_engines(engines)
-        sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
-        if model is None:
-            _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id): "
-                                           f"there is no {DEFAULT_MODEL} in this folder")
-            model = str(DEFAULT_MODEL)
-            if draft_model is None and DEFAULT_DRAFT.is_dir():
-                draft_model = str(DEFAULT_DRAFT)
-        from ..api import load
-        from ..bench.report import bench_document
-        from ..hub import expand_alias
+def _check_bits(bits: int) -> None:
+    _check(bits in QUANT_BITS, f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
 
-        console = stderr_console()
-        with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
-            spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
-        if dtype is not None:
-            _check(dtype in ("float32", "bfloat16", "float16"),
-                   f"--dtype must be float32, bfloat16 or float16; got {dtype}")
-            spec.astype(dtype)
-        options = Options(reps=reps or 3, draft_depth=draft_depth, depth=depth, temperature=temperature,
-                          temp_pass=temp_pass, seed=seed, gates=gates)
-        runner = Bench(spec, sets, chosen, options)
-        for engine, why in runner.skipped.items():
-            print_note(f"skipping {engine}: {why}")
-        from ..bench.report import write_json
 
-        def save_partial(result):  # the first pass survives a run stopped during the second
-            if json_path:
-                write_json(bench_document(runner, result), json_path)
+def _check_dtype(dtype: Optional[str]) -> None:
+    _check(dtype is None or dtype in DTYPES, f"--dtype must be float32, bfloat16 or float16; got {dtype}")
 
-        with _progress("bench") as on_step:
-            result = runner.run(on_step, save_partial)
-        _outputs([bench_document(runner, result)], json_path, png_path)
-        if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
-            print_note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
-        sys.stdout.flush()
+
+def _redraw(paths: list[str], png_path: Optional[str]) -> None:
+    """``--from-json``: the tables (and chart) of saved results, nothing run."""
+    from ..bench.report import check_matplotlib, read_json
+
+    docs = [read_json(path) for path in paths]
+    if png_path:
+        check_matplotlib()
+    _outputs(docs, None, png_path)
+
+
+def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_tokens, reps, seed, temperature,
+                     outputs) -> None:
+    """``bench --real-shapes``: the engines on scripted random-weight models."""
+    _check_bits(bits)
+    from ..bench.prompts import parse_list
+    from ..bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
+    from ..bench.report import real_shapes_document, write_json
+
+    shapes = parse_shapes(names)
+    chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
+    given = parse_list(depths, "depths")
+    _check(all(d.isdigit() and MIN_DEPTH <= int(d) <= MAX_DEPTH for d in given),
+           f"--depths must be numbers from {MIN_DEPTH} to {MAX_DEPTH}, got {depths}")
+    json_path, png_path = outputs
+
+    def save_partial(result):  # the repetitions done survive a run stopped later
+        if json_path:
+            write_json(real_shapes_document(result), json_path)
+
+    with _progress("real shapes") as on_step:
+        result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps,
+                                 workloads=chosen, depths=tuple(int(d) for d in given), seed=seed,
+                                 temperature=temperature, on_step=on_step, on_partial=save_partial)
+    _outputs([real_shapes_document(result)], json_path, png_path)
+    if not all(c["identical"] for c in result["cells"]):
+        print_note("note: some cell's tokens differ from the script (column identical)")
+
+
+def _run_sweep(names: str, *, bits, kernels_off, tokens, context, reps, outputs) -> None:
+    """``bench --sweep``: forwards of 1..TOKENS tokens on random-weight models."""
+    _check_bits(bits)
+    from ..kernels import cuda
+
+    _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
+           "machine is not running MLX's CUDA backend, where they are never on")
+    from ..bench.report import sweep_document
+    from ..bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
+
+    shapes = list(DEFAULT_SHAPES) if names.strip() == "all" else parse_shapes(names)
+    with _progress("sweep") as on_step:
+        result = run_sweep(shapes, bits=bits, max_tokens=tokens, context=context, reps=reps, on_step=on_step,
+                           kernels_off=kernels_off)
+    _outputs([sweep_document(result)], *outputs)
+
+
+def _run_engines(model, draft_model, dtype, *, workloads_dir, workloads, prompts, max_tokens, engines, draft_depth,
+                 depth, reps, temperature, temp_pass, seed, gates, outputs) -> None:
+    """``bench`` itself: mlx-lm and mlxspec's engines on MODEL over the prompt sets."""
+    from ..bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
+    from ..bench.report import bench_document, write_json
+
+    chosen = parse_engines(engines)
+    sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
+    if model is None:
+        _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id): "
+                                       f"there is no {DEFAULT_MODEL} in this folder")
+        model = str(DEFAULT_MODEL)
+        if draft_model is None and DEFAULT_DRAFT.is_dir():
+            draft_model = str(DEFAULT_DRAFT)
+    spec = _load(model, draft_model, dtype)
+    options = Options(reps=reps or 3, draft_depth=draft_depth, depth=depth, temperature=temperature,
+                      temp_pass=temp_pass, seed=seed, gates=gates)
+    runner = Bench(spec, sets, chosen, options)
+    for engine, why in runner.skipped.items():
+        print_note(f"skipping {engine}: {why}")
+    json_path, png_path = outputs
+
+    def save_partial(result):  # the first pass survives a run stopped during the second
+        if json_path:
+            write_json(bench_document(runner, result), json_path)
+
+    with _progress("bench") as on_step:
+        result = runner.run(on_step, save_partial)
+    _outputs([bench_document(runner, result)], json_path, png_path)
+    if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
+        print_note("note: some engine's temperature-0 tokens differ from mlx-lm's (column identical)")
+    sys.stdout.flush()
+
+
+def _load(model: str, draft_model: Optional[str], dtype: Optional[str]):
+    """MODEL and DRAFT_MODEL (aliases expanded) loaded, cast to DTYPE when given."""
+    from ..hub import expand_alias
+
+    spec = load_with_spinner(expand_alias(model), expand_alias(draft_model))
+    if dtype is not None:
+        _check_dtype(dtype)
+        spec.astype(dtype)
+    return spec
 
 
 def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, max_tokens, reps, bits,
@@ -346,8 +422,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
     answer = 64 if max_tokens is None else max_tokens
     reps = reps or 3
     drafter = drafter or "pld"
-    _check(dtype is None or dtype in ("float32", "bfloat16", "float16"),
-           f"--dtype must be float32, bfloat16 or float16; got {dtype}")
+    _check_dtype(dtype)
     _check(context is None or context >= 2, f"--chat-context must be at least 2, got {context}")
 
     def plan(context):
@@ -359,7 +434,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
     if shapes is not None:
         _check(model is None and draft_model is None,
                "--chat-shapes builds its own random models: give no MODEL or --draft-model")
-        _check(bits in (0, 2, 3, 4, 5, 6, 8), f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+        _check_bits(bits)
         _check(drafter in ("pld", "none"), f"--drafter with --chat-shapes must be pld or none "
                                            f"(random models have no MTP head or draft model); got {drafter}")
         from ..bench.sweep import parse_shapes
@@ -370,8 +445,6 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
             models = run_chat_shapes(names, bits=bits, dtype=dtype, on_step=on_step,
                                      **_run_args(config))
     else:
-        from ..api import DRAFTERS
-
         _check(drafter in DRAFTERS, f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter}")
         _check(drafter != "draft" or draft_model is not None, "--drafter draft needs --draft-model")
         _check(drafter in ("draft", "auto") or draft_model is None,
@@ -408,12 +481,4 @@ def _load_chat_model(model, draft_model, dtype):
         _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id) or --chat-shapes: "
                                        f"there is no {DEFAULT_MODEL} in this folder")
         model = str(DEFAULT_MODEL)
-    from ..api import load
-    from ..hub import expand_alias
-
-    console = stderr_console()
-    with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
-        spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
-    if dtype is not None:
-        spec.astype(dtype)
-    return spec
+    return _load(model, draft_model, dtype)

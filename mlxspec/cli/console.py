@@ -1,5 +1,5 @@
 """What every command shares: the console, one-line notes and errors, user-error handling,
-help text, stats output, shell completion."""
+help text, loading a model, stats output, shell completion."""
 
 import contextlib
 import functools
@@ -8,10 +8,9 @@ import sys
 
 import typer
 
-from ..errors import MlxspecError, UsageError
+from ..errors import MlxspecError
+from ..options import DRAFTERS, REASONING_MODES, check_choice
 
-DRAFTERS = ("auto", "pld", "draft", "mtp", "none")  # mirrors mlxspec.api.DRAFTERS, without importing mlx
-MAX_DEPTH = 16
 DEBUG_ENV = "MLXSPEC_DEBUG"
 
 
@@ -39,9 +38,7 @@ def complete_drafter(incomplete: str) -> list[str]:
 
 
 def complete_reasoning(incomplete: str) -> list[str]:
-    from ..reasoning import MODES
-
-    return [mode for mode in MODES if mode.startswith(incomplete)]
+    return [mode for mode in REASONING_MODES if mode.startswith(incomplete)]
 
 
 def help_text(text: str) -> str:
@@ -80,10 +77,7 @@ def user_errors():
 
 
 def check_reasoning(mode) -> None:
-    from ..reasoning import MODES
-
-    if mode not in MODES:
-        raise UsageError(f"unknown --reasoning '{mode}'; choose one of {', '.join(MODES)}")
+    check_choice("--reasoning", mode, REASONING_MODES)
 
 
 def demo_notice(name: str) -> None:
@@ -107,6 +101,16 @@ def stderr_console():
     from rich.console import Console
 
     return Console(stderr=True, highlight=False)
+
+
+def load_with_spinner(model, draft_model=None):
+    """``mlxspec.api.load(model, draft_model)`` under a "loading model…" spinner on a terminal
+    (nothing when stderr is piped: no escape codes in logs)."""
+    from ..api import load
+
+    console = stderr_console()
+    with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
+        return load(model, draft_model=draft_model)
 
 
 def print_stats(stats, table: bool) -> None:

@@ -13,7 +13,7 @@ import typer
 from .app import app
 from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
 from ..config import user_config_path
-from ..errors import MlxspecError, UsageError
+from ..errors import UsageError
 
 # -- the convert command -----------------------------------------------------
 
@@ -51,7 +51,8 @@ def convert(
         "--force", help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
     with user_errors():
-        from ..models.convert import convert_checkpoint, human_size
+        from ..models.convert import convert_checkpoint
+        from ..units import human_bytes
 
         console = stderr_console()
         status = console.status("starting…", spinner="dots") if console.is_terminal else None
@@ -70,7 +71,7 @@ def convert(
             head = f"MTP head kept ({layers}, {result.head_tensors} tensors, {bits}, mtp.safetensors)"
         else:
             head = "no MTP head"
-        sys.stdout.write(f"converted to {result.out} ({human_size(result.size_bytes)}, {trunk}); {head}\n")
+        sys.stdout.write(f"converted to {result.out} ({human_bytes(result.size_bytes)}, {trunk}); {head}\n")
         sys.stdout.flush()
 
 
@@ -106,7 +107,8 @@ def tune(
             raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
         from ..api import load
         from ..hub import expand_alias
-        from ..tune import render, run_tune
+        from ..tuning.measure import run_tune
+        from .tune_report import render_tune_result
 
         console = stderr_console()
         if console.is_terminal:
@@ -133,7 +135,7 @@ def tune(
             sys.stdout.flush()
             return
         out = stdout_console()
-        render(result, out, chart=out.is_terminal and out.encoding.lower().startswith("utf"))
+        render_tune_result(result, out, chart=out.is_terminal and out.encoding.lower().startswith("utf"))
         print_note(f"saved to {result['path']}")
 
 
@@ -239,11 +241,11 @@ def pull(
                                                "mtp/*.safetensors, model-mtp.safetensors).")] = True,
 ) -> None:
     with user_errors():
-        from ..hub import human_size
+        from ..units import human_bytes
 
         result = pull_with_progress(model, revision, include_mtp)
         what = ("already in the cache" if result.already_cached else
-                f"downloaded {result.files} file{'s' * (result.files != 1)}, {human_size(result.downloaded_bytes)}")
+                f"downloaded {result.files} file{'s' * (result.files != 1)}, {human_bytes(result.downloaded_bytes)}")
         pin = f"@{result.revision}" if result.revision != "main" else ""
         sys.stdout.write(f"{result.repo_id}{pin}: {what} ({result.path})\n")
         sys.stdout.flush()
@@ -304,16 +306,17 @@ def remove_model(
 ) -> None:
     """Remove MODEL (every cached revision) from the Hugging Face cache."""
     with user_errors():
-        from ..hub import human_size, plan_removal
+        from ..hub import plan_removal
+        from ..units import human_bytes
 
         plan = plan_removal(model)
         if not yes:
             if not sys.stdin.isatty():
                 raise UsageError(f"removing {plan.repo_id} needs confirmation: pass --yes")
-            if not typer.confirm(f"remove {plan.repo_id} ({human_size(plan.freed_bytes)})?", default=False):
+            if not typer.confirm(f"remove {plan.repo_id} ({human_bytes(plan.freed_bytes)})?", default=False):
                 raise typer.Exit(1)
         plan.execute()
-        sys.stdout.write(f"removed {plan.repo_id}, freed {human_size(plan.freed_bytes)}\n")
+        sys.stdout.write(f"removed {plan.repo_id}, freed {human_bytes(plan.freed_bytes)}\n")
         sys.stdout.flush()
 
 
@@ -335,43 +338,19 @@ def _flag_given(ctx, name: str) -> bool:
 
 
 def prepare_run(preset, model, drafter, draft_model, ctx=None):
-    """Memory warning + wired limit, and --preset -> (drafter, draft_model, extra stream options)."""
-    from .. import hardware, presets
+    """--preset and the memory check for run and serve (mlxspec.presets.plan_run decides): its
+    notes printed, memory wired for the weights -> (drafter, draft_model, extra stream options)."""
+    from ..presets import plan_run
 
-    profile = hardware.detect(fast=True)
-    caps = None
-    with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message in load()
-        caps = presets.model_caps(model, draft_model, look_for_mtp=preset == "auto")
-    chosen = reasons = None
-    if preset is not None:
-        chosen, reasons = presets.resolve(preset, profile, caps or presets.ModelCaps(draft_name=draft_model))
-        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
-            caps.draft_bytes = None  # a refused draft model will not be loaded
-    if caps is not None and caps.model_bytes:
-        total = caps.model_bytes + (caps.draft_bytes or 0)
-        warning = hardware.memory_warning(total, profile, caps.name if not caps.draft_bytes
-                                          else f"{caps.name} with its draft model")
-        if warning:
-            print_note(warning)
-        hardware.apply_memory_limits(total, profile)
-    if preset is None:
-        return drafter, draft_model, {}
-    if preset == "auto":
-        print_note(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
-    options = {"gates": chosen.gates}
-    if _flag_given(ctx, "drafter"):
-        if drafter != chosen.drafter:
-            print_note(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
-        return drafter, draft_model, options
-    if chosen.max_depth:
-        options["max_depth"] = chosen.max_depth
-    if chosen.drafter != "draft" and preset == "auto":
-        draft_model = None  # refused (or not needed): do not load it
-    return chosen.drafter, draft_model, options
+    plan = plan_run(preset, model, drafter, draft_model, drafter_given=_flag_given(ctx, "drafter"))
+    for note in plan.notes:
+        print_note(note)
+    plan.apply_memory_limits()
+    return plan.drafter, plan.draft_model, plan.stream_options
 
 
 def _profile_lines(data: dict) -> list[tuple[str, str]]:
-    from ..hardware import human_bytes
+    from ..units import human_bytes
 
     tiers = " + ".join(f"{n} {name}" for name, n in data["cpu_core_tiers"].items())
     cpu = "?" if data["cpu_cores"] is None else f"{data['cpu_cores']} cores" + (f" ({tiers})" if tiers else "")

@@ -9,28 +9,26 @@ import typer
 
 from ..config import user_config_path
 from ..errors import UsageError
+from ..options import (DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
+                       DRAFTERS, MAX_DEPTH, MIN_DEPTH, check_choice, check_values)
 from .app import app
-from .console import (DRAFTERS, MAX_DEPTH, check_reasoning, complete_drafter, complete_model, complete_reasoning,
-                      demo_notice, help_text, print_stats, stdout_console, stderr_console, user_errors)
+from .console import (check_reasoning, complete_drafter, complete_model, complete_reasoning, demo_notice, help_text,
+                      load_with_spinner, print_stats, stderr_console, stdout_console, user_errors)
 
 
-def _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens) -> None:
-    if drafter not in DRAFTERS:
-        raise UsageError(f"unknown drafter '{drafter}'; choose one of {', '.join(DRAFTERS)}")
-    if drafter == "draft" and not draft_model:
+# what the flags are called in error messages
+FLAG_LABELS = {"depth": "--depth", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
+               "min_p": "--min-p", "max_tokens": "--max-tokens"}
+
+
+def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) -> None:
+    """Refuse bad values (flags, $MLXSPEC_*, config) before anything is loaded."""
+    check_choice("drafter", given["drafter"], DRAFTERS)
+    if given["drafter"] == "draft" and not draft_model:
         raise UsageError("--drafter draft needs --draft-model PATH_OR_REPO")
-    if depth is not None and not 1 <= depth <= MAX_DEPTH:
-        raise UsageError(f"--depth must be between 1 and {MAX_DEPTH}, got {depth}")
-    if temp < 0:
-        raise UsageError(f"--temp must be 0 or more, got {temp}")
-    if not 0 < top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be 0 (off) or more, got {top_k}")
-    if not 0 <= min_p <= 1:
-        raise UsageError(f"--min-p must be in [0, 1], got {min_p}")
-    if max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+    check_values({"depth": depth, "temperature": given["temp"], "top_p": given["top_p"], "top_k": given["top_k"],
+                  "min_p": given["min_p"], "max_tokens": given["max_tokens"]}, FLAG_LABELS)
+    check_reasoning(given["reasoning"])
 
 
 def _split_positionals(model: Optional[str], prompt: Optional[str]):
@@ -93,66 +91,84 @@ asks the model not to reason.
 """).format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
 
 
+# each option's declaration, so that the command's signature reads as a list of names
+ModelArgument = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False, autocompletion=complete_model,
+    help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")]
+PromptArgument = Annotated[Optional[str], typer.Argument(
+    metavar="PROMPT", show_default=False, help="The prompt. Omit it to read stdin, or to chat on a terminal.")]
+DrafterOption = Annotated[Optional[str], typer.Option(
+    autocompletion=complete_drafter,
+    help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
+         "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
+         "--draft-model), mtp (the model's native multi-token-prediction head) or none "
+         "(plain decoding). Default: $MLXSPEC_DRAFTER, else the config file, else auto.",
+    show_default=False)]
+DraftModelOption = Annotated[Optional[str], typer.Option(
+    "--draft-model", metavar="PATH_OR_REPO", help="Small model sharing MODEL's tokenizer, used to draft tokens.")]
+DepthOption = Annotated[Optional[int], typer.Option(
+    help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH} (default: chosen per drafter).", show_default=False)]
+PresetOption = Annotated[Optional[str], typer.Option(
+    help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
+         "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
+         "the preset's drafter.", show_default=False)]
+TempOption = Annotated[Optional[float], typer.Option(
+    help=f"Sampling temperature; 0 is greedy. [default: {DEFAULT_TEMPERATURE}, or $MLXSPEC_TEMP / config]",
+    show_default=False)]
+TopPOption = Annotated[Optional[float], typer.Option(
+    help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1]. "
+         f"[default: {DEFAULT_TOP_P}, or $MLXSPEC_TOP_P / config]", show_default=False)]
+TopKOption = Annotated[Optional[int], typer.Option(
+    help=f"Keep only the K most likely tokens; 0 is off. [default: {DEFAULT_TOP_K}, or $MLXSPEC_TOP_K / config]",
+    show_default=False)]
+MinPOption = Annotated[Optional[float], typer.Option(
+    help="Drop tokens less likely than MIN_P times the top token's probability; 0 is off. "
+         f"[default: {DEFAULT_MIN_P}, or $MLXSPEC_MIN_P / config]", show_default=False)]
+SeedOption = Annotated[Optional[int], typer.Option(
+    help="Random seed for reproducible sampling.", show_default=False)]
+MaxTokensOption = Annotated[Optional[int], typer.Option(
+    help=f"Most tokens to generate per answer. [default: {DEFAULT_MAX_TOKENS}, or $MLXSPEC_MAX_TOKENS / config]",
+    show_default=False)]
+SystemOption = Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)]
+RawOption = Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the model's chat template.")]
+ReasoningOption = Annotated[Optional[str], typer.Option(
+    "--reasoning", metavar="on|off|auto", autocompletion=complete_reasoning,
+    help="Whether a thinking model (Qwen3, Qwen3.5 ...) reasons before answering: sets the chat "
+         "template's enable_thinking; auto keeps the template's default (default: auto, or "
+         "$MLXSPEC_REASONING / config).", show_default=False)]
+HideReasoningOption = Annotated[bool, typer.Option(
+    "--hide-reasoning", help="Print only the answer, not the <think> reasoning (shown dimmed on a "
+                             "terminal, with its tags when piped).")]
+JsonOption = Annotated[bool, typer.Option(
+    "--json", help="Print one JSON object {text, reasoning, tokens, stats} instead of streaming text.")]
+NoStatsOption = Annotated[bool, typer.Option(
+    "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")]
+YesOption = Annotated[bool, typer.Option(
+    "--yes", "-y", help="Download an aliased model (e.g. qwen3-8b) without asking.")]
+
+
 @app.command(help=RUN_HELP, no_args_is_help=False)
 def run(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Argument(
-        metavar="MODEL", show_default=False, autocompletion=complete_model,
-        help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")] = None,
-    prompt: Annotated[Optional[str], typer.Argument(
-        metavar="PROMPT", show_default=False,
-        help="The prompt. Omit it to read stdin, or to chat on a terminal.")] = None,
-    drafter: Annotated[Optional[str], typer.Option(
-        autocompletion=complete_drafter,
-        help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
-             "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
-             "--draft-model), mtp (the model's native multi-token-prediction head) or none "
-             "(plain decoding). Default: $MLXSPEC_DRAFTER, else the config file, else auto.",
-        show_default=False)] = None,
-    draft_model: Annotated[Optional[str], typer.Option(
-        "--draft-model", metavar="PATH_OR_REPO",
-        help="Small model sharing MODEL's tokenizer, used to draft tokens.")] = None,
-    depth: Annotated[Optional[int], typer.Option(
-        help=f"Tokens drafted per step, 1 to {MAX_DEPTH} (default: chosen per drafter).",
-        show_default=False)] = None,
-    preset: Annotated[Optional[str], typer.Option(
-        help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
-             "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
-             "the preset's drafter.", show_default=False)] = None,
-    temp: Annotated[Optional[float], typer.Option(
-        help="Sampling temperature; 0 is greedy. [default: 0.0, or $MLXSPEC_TEMP / config]",
-        show_default=False)] = None,
-    top_p: Annotated[Optional[float], typer.Option(
-        help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1]. "
-             "[default: 1.0, or $MLXSPEC_TOP_P / config]", show_default=False)] = None,
-    top_k: Annotated[Optional[int], typer.Option(
-        help="Keep only the K most likely tokens; 0 is off. [default: 0, or $MLXSPEC_TOP_K / config]",
-        show_default=False)] = None,
-    min_p: Annotated[Optional[float], typer.Option(
-        help="Drop tokens less likely than MIN_P times the top token's probability; 0 is off. "
-             "[default: 0.0, or $MLXSPEC_MIN_P / config]", show_default=False)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.",
-                                                show_default=False)] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(
-        help="Most tokens to generate per answer. [default: 512, or $MLXSPEC_MAX_TOKENS / config]",
-        show_default=False)] = None,
-    system: Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)] = None,
-    raw: Annotated[bool, typer.Option(
-        "--raw", help="Send the prompt as is, without the model's chat template.")] = False,
-    reasoning: Annotated[Optional[str], typer.Option(
-        "--reasoning", metavar="on|off|auto", autocompletion=complete_reasoning,
-        help="Whether a thinking model (Qwen3, Qwen3.5 ...) reasons before answering: sets the chat "
-             "template's enable_thinking; auto keeps the template's default (default: auto, or "
-             "$MLXSPEC_REASONING / config).", show_default=False)] = None,
-    hide_reasoning: Annotated[bool, typer.Option(
-        "--hide-reasoning", help="Print only the answer, not the <think> reasoning (shown dimmed on a "
-                                 "terminal, with its tags when piped).")] = False,
-    json_out: Annotated[bool, typer.Option(
-        "--json", help="Print one JSON object {text, reasoning, tokens, stats} instead of streaming text.")] = False,
-    no_stats: Annotated[bool, typer.Option(
-        "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")] = False,
-    yes: Annotated[bool, typer.Option(
-        "--yes", "-y", help="Download an aliased model (e.g. qwen3-8b) without asking.")] = False,
+    model: ModelArgument = None,
+    prompt: PromptArgument = None,
+    drafter: DrafterOption = None,
+    draft_model: DraftModelOption = None,
+    depth: DepthOption = None,
+    preset: PresetOption = None,
+    temp: TempOption = None,
+    top_p: TopPOption = None,
+    top_k: TopKOption = None,
+    min_p: MinPOption = None,
+    seed: SeedOption = None,
+    max_tokens: MaxTokensOption = None,
+    system: SystemOption = None,
+    raw: RawOption = False,
+    reasoning: ReasoningOption = None,
+    hide_reasoning: HideReasoningOption = False,
+    json_out: JsonOption = False,
+    no_stats: NoStatsOption = False,
+    yes: YesOption = False,
 ) -> None:
     with user_errors():
         from ..config import settings
@@ -160,55 +176,61 @@ def run(
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                               max_tokens=max_tokens, preset=preset, reasoning=reasoning))
-        drafter, temp, top_p, top_k, min_p, max_tokens, preset, reasoning = (
-            given[k] for k in ("drafter", "temp", "top_p", "top_k", "min_p", "max_tokens", "preset", "reasoning"))
-        _check_flags(drafter, draft_model, depth, temp, top_p, top_k, min_p, max_tokens)
-        check_reasoning(reasoning)
-        model = _aliased_model(model, yes)
-        model, prompt = _split_positionals(model, prompt)
+        _check_flags(given, draft_model, depth)
+        model, prompt = _split_positionals(_aliased_model(model, yes), prompt)
         from .machine import prepare_run
 
-        drafter, draft_model, preset_options = prepare_run(preset, model, drafter, draft_model, ctx)
+        drafter, draft_model, preset_options = prepare_run(given["preset"], model, given["drafter"],
+                                                           draft_model, ctx)
         chat = prompt is None and sys.stdin.isatty()
         if chat and json_out:
             raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
         if prompt is None and not chat:
             prompt = _read_stdin()
-        live = not no_stats and stdout_console().is_terminal and stderr_console().is_terminal
+        # each chat turn reuses the conversation so far (config prompt_cache_bytes)
+        spec = _load(model, draft_model, given["prompt_cache_bytes"] if chat else None)
+        from ..reasoning import template_kwargs
 
-        from ..api import load
-
-        if stderr_console().is_terminal:
-            with stderr_console().status("loading model…", spinner="dots"):
-                spec = load(model, draft_model=draft_model)
-        else:
-            spec = load(model, draft_model=draft_model)
-        if spec.is_demo:
-            demo_notice(spec.name)
-        if chat:  # each turn reuses the conversation so far (config prompt_cache_bytes)
-            from ..config import parse_bytes
-
-            spec.prompt_cache.max_bytes = parse_bytes(given["prompt_cache_bytes"], "prompt_cache_bytes")
-
-        from . import chat as cli_chat
-        from ..reasoning import split, template_kwargs
-
-        options = dict(max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-                       seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
-                       template_kwargs=template_kwargs(reasoning),
+        options = dict(max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"],
+                       top_k=given["top_k"], min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth,
+                       system=system, raw=raw, template_kwargs=template_kwargs(given["reasoning"]),
                        # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
                        reuse=chat)
         options.update(preset_options)
-        if json_out:
-            result = spec.generate(prompt, **options)
-            thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, options))
-            out = {**result.to_dict(), "text": text, "reasoning": None if hide_reasoning else thought or None}
-            sys.stdout.write(json.dumps(out) + "\n")
-        elif chat:
-            cli_chat.chat(spec, options, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)
-        else:
-            answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, options)
-            if not no_stats:
-                print_stats(answer.stats, table=live)
-            if answer.interrupted:
-                raise typer.Exit(130)
+        _answer(spec, prompt, options, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
+                no_stats=no_stats)
+
+
+def _load(model: Optional[str], draft_model: Optional[str], prompt_cache_size: Optional[str]):
+    """The loaded model; its prompt cache sized to PROMPT_CACHE_SIZE when given (a chat)."""
+    spec = load_with_spinner(model, draft_model)
+    if spec.is_demo:
+        demo_notice(spec.name)
+    if prompt_cache_size is not None:
+        from ..config import parse_bytes
+
+        spec.prompt_cache.max_bytes = parse_bytes(prompt_cache_size, "prompt_cache_bytes")
+    return spec
+
+
+def _answer(spec, prompt, options: dict, *, chat: bool, json_out: bool, hide_reasoning: bool,
+            no_stats: bool) -> None:
+    """One JSON object, the interactive chat, or one streamed answer and its stats."""
+    from . import chat as cli_chat
+
+    live = not no_stats and stdout_console().is_terminal and stderr_console().is_terminal
+    if json_out:
+        from ..reasoning import split
+
+        result = spec.generate(prompt, **options)
+        thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, options))
+        out = {**result.to_dict(), "text": text, "reasoning": None if hide_reasoning else thought or None}
+        sys.stdout.write(json.dumps(out) + "\n")
+    elif chat:
+        cli_chat.chat(spec, options, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)
+    else:
+        answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, options)
+        if not no_stats:
+            print_stats(answer.stats, table=live)
+        if answer.interrupted:
+            raise typer.Exit(130)

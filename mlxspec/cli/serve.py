@@ -10,9 +10,11 @@ from typing import Annotated, Optional
 import typer
 
 from .app import app
-from .console import (DRAFTERS, check_reasoning, complete_drafter, complete_model, complete_reasoning,
-                      demo_notice, help_text, no_color, print_error, print_note, user_errors)
+from .console import (check_reasoning, complete_drafter, complete_model, complete_reasoning, demo_notice, help_text,
+                      no_color, print_error, print_note, user_errors)
 from ..errors import UsageError
+from ..options import (DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DEFAULT_PORT,
+                       DEFAULT_PROMPT_CACHE_SIZE, DRAFTERS)
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
 
@@ -75,22 +77,22 @@ def serve(
         "--preset", metavar="P", show_default=False,
         help="auto, mtp, pld, draft or off: as `run --preset` (an explicit --drafter wins).")] = None,
     host: Annotated[Optional[str], typer.Option(
-        "--host", show_default=False, help="Address to bind (default: config, else 127.0.0.1).")] = None,
+        "--host", show_default=False, help=f"Address to bind (default: config, else {DEFAULT_HOST}).")] = None,
     port: Annotated[Optional[int], typer.Option(
-        "--port", show_default=False, help="Port to bind (default: config, else 8000).")] = None,
+        "--port", show_default=False, help=f"Port to bind (default: config, else {DEFAULT_PORT}).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", metavar="KEY", show_default=False, help="Require this key on every /v1 request.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(
         "--api-key-file", metavar="F", show_default=False, help="Read the key from file F.")] = None,
     max_queue: Annotated[int, typer.Option(
-        "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = 16,
+        "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = DEFAULT_MAX_QUEUE,
     max_tokens_cap: Annotated[int, typer.Option(
-        "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = 4096,
+        "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option(
         "--prompt-cache-bytes", metavar="SIZE", show_default=False,
         help="Memory for earlier conversations' caches (e.g. 4GiB, 512MB; 0 turns reuse off): a "
              "request sharing a prefix with one prefills only the rest. Least recently used "
-             "conversations go first. Default: config, else 2GiB.")] = None,
+             f"conversations go first. Default: config, else {DEFAULT_PROMPT_CACHE_SIZE}.")] = None,
     reasoning: Annotated[Optional[str], typer.Option(
         "--reasoning", metavar="MODE", show_default=False, autocompletion=complete_reasoning,
         help="Default reasoning of thinking models: on, off or auto (the chat template's default); "
@@ -104,37 +106,54 @@ def serve(
         # unset flags come from $MLXSPEC_*, then the config file ([server], drafter, preset)
         given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning,
                               prompt_cache_bytes=prompt_cache_bytes))
-        drafter, host, port, preset, reasoning = (given[k] for k in ("drafter", "host", "port", "preset",
-                                                                     "reasoning"))
-        check_reasoning(reasoning)
-        from ..config import parse_bytes
-
-        cache_bytes = parse_bytes(given["prompt_cache_bytes"], "--prompt-cache-bytes")
-        if max_queue < 0 or max_tokens_cap < 1:
-            raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
-        key = _api_key(api_key, api_key_file)
-        if not _is_loopback(host) and not key:
-            raise UsageError(f"refusing to bind {host} (not loopback) without an API key: "
-                             "pass --api-key, --api-key-file or set MLXSPEC_API_KEY")
+        host, port = given["host"], given["port"]
+        cache_bytes, key = _check_flags(given, max_queue, max_tokens_cap, api_key, api_key_file)
         from .machine import prepare_run
 
-        drafter, draft_model, _ = prepare_run(preset, model, drafter, draft_model, ctx)
-        from ..api import load
-        from ..server.app import Settings, create_app
-
-        spec = load(model, draft_model=draft_model)
-        spec.prompt_cache.max_bytes = cache_bytes
-        if spec.is_demo:
-            demo_notice(spec.name)
-        settings = Settings(model_name=spec.name, api_key=key, max_queue=max_queue,
-                            max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors, reasoning=reasoning)
-        application = create_app(spec, settings)
+        drafter, draft_model, _ = prepare_run(given["preset"], model, given["drafter"], draft_model, ctx)
+        spec, application = _build_app(model, draft_model, cache_bytes, api_key=key, max_queue=max_queue,
+                                       max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors,
+                                       reasoning=given["reasoning"])
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
     print_note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
-          f"{', draft ' + spec.draft.name if spec.draft else ''})")
-    print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-          f"-d '{{\"model\": \"{spec.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+               f"{', draft ' + spec.draft.name if spec.draft else ''})")
+    body = f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
+    print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    _run_server(application, host, port, log_level)
+
+
+def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Optional[str],
+                 api_key_file: Optional[str]) -> tuple[int, Optional[str]]:
+    """Refuse bad settings before the model loads -> (prompt cache bytes, API key or None)."""
+    check_reasoning(given["reasoning"])
+    from ..config import parse_bytes
+
+    cache_bytes = parse_bytes(given["prompt_cache_bytes"], "--prompt-cache-bytes")
+    if max_queue < 0 or max_tokens_cap < 1:
+        raise UsageError("--max-queue must be >= 0 and --max-tokens-cap >= 1")
+    key = _api_key(api_key, api_key_file)
+    if not _is_loopback(given["host"]) and not key:
+        raise UsageError(f"refusing to bind {given['host']} (not loopback) without an API key: "
+                         "pass --api-key, --api-key-file or set MLXSPEC_API_KEY")
+    return cache_bytes, key
+
+
+def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: int, **settings):
+    """The loaded model and the ASGI app serving it; SETTINGS are the server's Settings."""
+    from ..api import load
+    from ..server.app import create_app
+    from ..server.common import Settings
+
+    spec = load(model, draft_model=draft_model)
+    spec.prompt_cache.max_bytes = cache_bytes
+    if spec.is_demo:
+        demo_notice(spec.name)
+    return spec, create_app(spec, Settings(model_name=spec.name, **settings))
+
+
+def _run_server(application, host: str, port: int, log_level: str) -> None:
+    """uvicorn until Ctrl-C, with one log line per request."""
     import logging
 
     import uvicorn

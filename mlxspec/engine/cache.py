@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from ..compat import ring_index, set_ring_index
 from ..errors import DrafterError
 from ..models.gdn_tape import tape_layers
 from ..models.trunk import split_trunk
@@ -43,13 +44,14 @@ def _trim_rotating(c: RotatingKVCache, n: int) -> None:
         c.trim(n)
         return
     # A wrapped ring that was just written by a multi-token update is in temporal order.
-    if c._idx != c.keys.shape[2] or n >= c._idx:
+    idx = ring_index(c)
+    if idx != c.keys.shape[2] or n >= idx:
         raise RollbackImpossible("a wrapped RotatingKVCache was overwritten in place")
-    keep = c._idx - n
+    keep = idx - n
     c.keys = c.keys[..., :keep, :]
     c.values = c.values[..., :keep, :]
     c.offset -= n
-    c._idx = keep
+    set_ring_index(c, keep)
 
 
 @dataclass
@@ -97,7 +99,7 @@ def snapshot_caches(caches: list, length: int) -> Snapshot | None:
             leaves.append(("arrays", list(c.cache)))
             trimmable = False
         elif isinstance(c, RotatingKVCache):
-            leaves.append(("ring", *(_save_ring(c) if c.keys is not None else (None, None, c.offset, c._idx))))
+            leaves.append(("ring", *_save_ring(c)))
             trimmable = trimmable and c.offset < c.max_size  # not wrapped: in temporal order
         elif type(c) is KVCache:
             k, v = (None, None) if c.keys is None else (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
@@ -128,11 +130,14 @@ def restore_caches(caches: list, snap: Snapshot, length: int) -> None:
 
 def _save_ring(c: RotatingKVCache) -> tuple:
     # Views keep the old contents: MLX copies on write when a buffer is still referenced.
-    return c.keys[...], c.values[...], c.offset, c._idx
+    if c.keys is None:
+        return None, None, c.offset, ring_index(c)
+    return c.keys[...], c.values[...], c.offset, ring_index(c)
 
 
 def _load_ring(c: RotatingKVCache, saved: tuple) -> None:
-    c.keys, c.values, c.offset, c._idx = saved
+    c.keys, c.values, c.offset, index = saved
+    set_ring_index(c, index)
 
 
 class ModelState:

@@ -1,8 +1,8 @@
 """Measure what a verify forward of n tokens costs on this machine, relative to one token.
 
 The curve is not linear: MLX's small-batch quantized kernels cost about linearly in rows up to
-7 on GPUs, while 8+ rows take a matrix-unit path that can be cheaper than 6 (measured on the
-GPU machine for a 4-bit 8B shape: 10.2 / 23.8 / 32.1 / 18.8 ms for 1 / 4 / 6 / 8 tokens). The
+7 on GPUs, while 8+ rows take a matrix-unit path that can be cheaper than 6 (one CUDA
+measurement of a 4-bit 8B shape: 10.2 / 23.8 / 32.1 / 18.8 ms for 1 / 4 / 6 / 8 tokens). The
 depth choice reads the measured curve, so it drafts 7 rather than 5 where 8 rows are cheaper.
 """
 
@@ -35,17 +35,28 @@ def verify_times(
     times: dict[int, list[float]] = {}
     for n in (1,) + tuple(widths):  # the first 1-token run warms up
         tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
-        samples = []
-        for rep in range(reps + warmup_each):
-            start = state.length
-            t0 = time.perf_counter()
-            mx.eval(state.forward(tokens))
-            if rep >= warmup_each:
-                samples.append(time.perf_counter() - t0)
-            state.rollback_to(start + 1)
+
+        def keep_first_token():
+            state.rollback_to(state.length - n + 1)
             state.commit()
-        times[n] = samples
+
+        times[n] = call_times(lambda: mx.eval(state.forward(tokens)), reps, warmup=int(warmup_each),
+                              after=keep_first_token)
     return times
+
+
+def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``run`` (which must wait for its result), after
+    ``warmup`` untimed calls; ``after()``, untimed, follows every call (e.g. a cache rollback)."""
+    samples = []
+    for rep in range(reps + warmup):
+        t0 = time.perf_counter()
+        run()
+        if rep >= warmup:
+            samples.append(time.perf_counter() - t0)
+        if after:
+            after()
+    return samples
 
 
 def measure_verify_cost(
@@ -55,7 +66,7 @@ def measure_verify_cost(
     on a large model); widths in between are interpolated by :class:`CostModel`. Each width
     gets an untimed forward first: MLX's CUDA backend compiles kernels per new shape. The
     fastest rep counts: on small models, where host-side launch time dominates, timing noise
-    is one-sided and the median of a few reps swung widths by 30-50% on the GPU machine."""
+    is one-sided and the median of a few reps swung widths by 30-50%."""
     samples = verify_times(model, widths, context, reps, vocab, warmup_each=True)
     times = {n: min(s) for n, s in samples.items()}
     base = times[1]

@@ -74,12 +74,26 @@ class AcceptanceModel:
             out.append(prev)
         return out
 
+    @classmethod
+    def from_counts(cls, reached, accepted, max_depth: int) -> "AcceptanceModel":
+        """An estimate from plain per-position counts (a tune run's), with the default prior."""
+        model = cls(max_depth)
+        model.reached = [float(x) for x in reached[:max_depth]] + [0.0] * (max_depth - len(reached))
+        model.accepted = [float(x) for x in accepted[:max_depth]] + [0.0] * (max_depth - len(accepted))
+        return model
+
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
         for alpha in self.alphas()[:k]:
             run *= alpha
             total += run
         return total
+
+
+def expected_speedup(acceptance: AcceptanceModel, k: int, cost: CostModel, draft_cost: float) -> float:
+    """Speed of drafting ``k`` tokens a step relative to plain decoding: E_k tokens per step
+    over the step's cost, verify(k+1) + k * draft_cost, in target-forward units."""
+    return acceptance.expected_tokens(k) / (cost.verify(k + 1) + k * draft_cost)
 
 
 class SpeculationGate:
@@ -89,11 +103,11 @@ class SpeculationGate:
     OFF_BELOW = 1.0
     # Steps with drafts observed before the estimate may switch speculation off: the prior alone
     # (no evidence yet) must not, or a drafter that pays is cut at token 0 and only comes back
-    # through backed-off probes (seen with an MTP head on the GPU: off at token 0, on at 121).
+    # through backed-off probes (seen with an MTP head: off at token 0, on at 121).
     MIN_EVIDENCE = 8
     # ... unless not one drafted token has been accepted yet: then 3 steps are enough (a head
-    # that never agrees cost 8 failed verifies per request, 10-20% of a short answer on the
-    # GPU machine's hybrid shapes, where a failed verify costs about two plain steps).
+    # that never agrees cost 8 failed verifies per request, 10-20% of a short answer on
+    # CUDA hybrid shapes, where a failed verify costs about two plain steps).
     MIN_EVIDENCE_NONE_ACCEPTED = 3
 
     def __init__(
@@ -120,8 +134,7 @@ class SpeculationGate:
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
-        step = self.cost.verify(k + 1) + k * self.drafter.cost_per_token
-        return self.model.expected_tokens(k) / step
+        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token)
 
     def best_depth(self) -> tuple[int, float]:
         # Asked once per token while decoding plainly: recomputed only after new observations.

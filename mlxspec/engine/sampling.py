@@ -15,29 +15,24 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..errors import UsageError
+from ..options import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, check_values
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
+    min_p: float = DEFAULT_MIN_P
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UsageError(f"top-p must be in (0, 1] (got {self.top_p})")
-        if self.top_k < 0:
-            raise UsageError(f"top-k must be >= 0 (got {self.top_k})")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise UsageError(f"min-p must be in [0, 1] (got {self.min_p})")
+        """UsageError for a value out of range (mlxspec.options holds the limits)."""
+        check_values({"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                      "min_p": self.min_p})
 
     def logprobs(self, logits: mx.array) -> mx.array:
         """Normalized log-probabilities of the distribution plain sampling draws from, per row."""

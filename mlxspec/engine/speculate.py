@@ -18,6 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 
 from ..errors import DrafterError, UsageError
 from ..models.mtp.head import MTPHead
+from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
 from .cache import ModelState, model_nbytes
 from .drafters.base import Drafter
 from .drafters.draft_model import DraftModelDrafter
@@ -27,8 +28,6 @@ from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
-
-DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4}
 
 
 @dataclass
@@ -85,10 +84,9 @@ class SpeculativeDecoder:
         self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(
             drafter, model, draft_model, mtp_head
         )
-        if depth is not None and not 1 <= depth <= 16:
-            raise UsageError(f"depth must be between 1 and 16 (got {depth})")
+        check_values({"depth": depth})
         self.depth = depth
-        default_max = DEFAULT_MAX_DEPTH.get(getattr(self.drafter, "name", ""), 4)
+        default_max = DEFAULT_MAX_DEPTH.get(getattr(self.drafter, "name", ""), FALLBACK_MAX_DEPTH)
         self.max_depth = max_depth or depth or default_max
         self.gates = gates
         self.cost = cost

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as _base
 
+from ..compat import rebind
 from .switch import active
 
 # mlx-lm's function, kept before anything rebinds the name: the fallback, and what install()
@@ -48,7 +49,7 @@ WARPS = 4  # warps per pass-1 block
 QUERIES_PER_WARP = 8  # query vectors per warp (registers: 8 x D/32 accumulators a lane)
 TILE = 32  # keys staged per step: one per lane while scoring
 QUERY_TILE = WARPS * QUERIES_PER_WARP
-# Pass-1 blocks to aim for: about two per SM of an H100 (132 SMs). Fewer chunks leave SMs idle
+# Pass-1 blocks to aim for: about two per SM of a 132-SM GPU. Fewer chunks leave SMs idle
 # at short key lengths; more only add partial outputs for pass 2 to read.
 TARGET_BLOCKS = 264
 
@@ -494,7 +495,6 @@ def install(model: nn.Module) -> int:
         seen.add(name)
         module = sys.modules.get(name)
         if getattr(module, "scaled_dot_product_attention", None) in (_mlx_lm_sdpa, scaled_dot_product_attention):
-            module.scaled_dot_product_attention = scaled_dot_product_attention
+            rebind(module, "scaled_dot_product_attention", scaled_dot_product_attention)
             rebound += 1
     return rebound
-

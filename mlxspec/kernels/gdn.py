@@ -17,6 +17,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models import gated_delta as _mlx_lm
 
+from ..compat import rebind
 from .switch import active, int_array
 
 # Grid: x = the 32 lanes of a warp over Dk, y = value rows (ROWS warps a block), z = B * Hv.
@@ -173,16 +174,16 @@ def gated_delta_states(q, k, v, g, beta, state, mask=None):
 
 @mx.custom_function
 def recurrence(q, k, v, g, beta, state):
-    """The unmasked recurrence as a differentiable function: training on CUDA runs the kernel
-    forward and :mod:`.gdn_grad`'s kernel backward instead of mlx-lm's per-token ops."""
+    """The unmasked recurrence as a differentiable function: the kernel forward, and mlx's own
+    differentiation of mlx-lm's ops for the backward (``tests/gdn_grad.py``, outside the
+    package, swaps in a backward kernel for training runs)."""
     return gated_delta_kernel(q, k, v, g, beta, state)
 
 
 @recurrence.vjp
 def _recurrence_vjp(primals, cotangents, outputs):
-    from .gdn_grad import backward
-
-    return backward(*primals, *cotangents)
+    cotangents = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+    return tuple(mx.vjp(_mlx_lm.gated_delta_ops, list(primals), cotangents)[1])
 
 
 def gated_delta_update(
@@ -226,5 +227,5 @@ def install() -> bool:
     for name in _USERS:
         module = importlib.import_module(name)
         if getattr(module, "gated_delta_update", None) is not None:
-            module.gated_delta_update = gated_delta_update
+            rebind(module, "gated_delta_update", gated_delta_update)
     return True

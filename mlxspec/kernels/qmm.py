@@ -6,28 +6,29 @@ tensor-core path. Here one warp computes one output column for all M rows: each 
 16 bytes of packed weights per step, dequantizes them (affine: scale * q + bias, MLX's packing
 of 32/bits values per uint32, lowest bits first) and accumulates them into M row sums.
 
-Whether it beats ``mx.quantized_matmul`` depends on the shape and the GPU, so :func:`install`
-times both for every (weight shape, M) of the model and uses this kernel only where it won.
+It is used at every 2..8 rows. Timed alone, MLX's matmul sometimes wins (mostly at 8 rows,
+where it switches to tensor cores), but whole forwards of real shapes were faster with this
+kernel at every row count (``benchmarks/diag_verify_strategies.py``): alone, a call's time is
+mostly launch and host cost, which a forward's hundreds of calls do not add up the same way.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..compat import swap_class
 from .switch import active, int_array
 
 MAX_ROWS = 8
 # Decode (1 row) keeps MLX's kernel, so plain decoding is stock MLX's, bit for bit: the kernel
 # timed faster alone at 1 row on the large shapes, but no whole 1-token forward got measurably
-# faster with it (run-to-run spread on the GPU machine: 10-15%).
+# faster with it (run-to-run spread: 10-15%).
 MIN_ROWS = 2
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-WIN_MARGIN = 0.95  # ours must take at most 95% of MLX's time to be chosen (timing noise)
 
 _HEADER = """
 template <typename T, int N> __device__ inline void load_floats(const T* p, float* out);
@@ -194,23 +195,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return y.reshape(*x.shape[:-1], N)
 
 
-# (N, K, bits, group size, dtype, rows) -> (MLX's seconds, this kernel's seconds) when timed
-_TIMES: dict[tuple, tuple[float, float]] = {}
-
-
-def _wins(key: tuple) -> bool:
-    times = _TIMES.get(key)
-    return times is not None and times[1] < WIN_MARGIN * times[0]
-
-
-def _key(module, dtype, rows: int) -> tuple:
-    N, packed = module["weight"].shape
-    return (N, packed * 32 // module.bits, module.bits, module.group_size, str(dtype), rows)
-
-
-def _use(module, x: mx.array) -> bool:
-    rows = x.size // x.shape[-1]
-    return MIN_ROWS <= rows <= MAX_ROWS and active() and _wins(_key(module, x.dtype, rows))
+def _use(x: mx.array) -> bool:
+    return MIN_ROWS <= x.size // x.shape[-1] <= MAX_ROWS and active()
 
 
 def _matmul(module, x: mx.array) -> mx.array:
@@ -222,7 +208,7 @@ class SmallMQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` that sends 2..8-row inputs to the kernel where it was faster."""
 
     def __call__(self, x):
-        if not _use(self, x):
+        if not _use(x):
             return super().__call__(x)
         y = _matmul(self, x)
         return y + self["bias"] if "bias" in self else y
@@ -232,57 +218,23 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose tied-output ``as_linear`` does the same."""
 
     def as_linear(self, x):
-        return _matmul(self, x) if _use(self, x) else super().as_linear(x)
+        return _matmul(self, x) if _use(x) else super().as_linear(x)
 
 
 SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding}
 
 
-def seconds_per_call(fn, reps: int = 3, inner: int = 10) -> float:
-    """Fastest of ``reps`` timings of ``inner`` back-to-back calls, per call."""
-    mx.eval(fn())  # compiles and warms up
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(inner)])
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
-
-
-def time_both(module, rows: int, dtype) -> tuple[float, float]:
-    """(MLX's seconds, this kernel's seconds) for ``rows`` rows through ``module``'s weights."""
-    K = module["weight"].shape[1] * 32 // module.bits
-    x = mx.random.normal((rows, K)).astype(dtype)
-    mx.eval(x)
-    theirs = seconds_per_call(lambda: mx.quantized_matmul(
-        x, module["weight"], module["scales"], module["biases"], transpose=True,
-        group_size=module.group_size, bits=module.bits))
-    return theirs, seconds_per_call(lambda: _matmul(module, x))
-
-
-def install(model: nn.Module, rows=range(MIN_ROWS, MAX_ROWS + 1)) -> int:
-    """Swap the model's eligible quantized layers for the small-M classes and time, once per
-    distinct weight shape, both matmuls at each row count. Returns how many layers it swapped."""
+def install(model: nn.Module) -> int:
+    """Swap the model's eligible quantized layers for the small-M classes. Returns how many
+    layers it swapped."""
     swapped = 0
     for _, module in model.named_modules():
         cls = SWAPS.get(type(module))
         if cls is None:
             continue
-        dtype = module["scales"].dtype
-        if not eligible(dtype, module["weight"], module["scales"], module.get("biases"),
+        if not eligible(module["scales"].dtype, module["weight"], module["scales"], module.get("biases"),
                         module.group_size, module.bits, getattr(module, "mode", "affine")):
             continue
-        module.__class__ = cls
+        swap_class(module, cls)
         swapped += 1
-        for n in rows:
-            key = _key(module, dtype, n)
-            if key not in _TIMES:
-                _TIMES[key] = time_both(module, n, dtype)
     return swapped
-
-
-def decisions() -> list[dict]:
-    """The timing decisions made so far, for reports."""
-    return [dict(zip(("N", "K", "bits", "group_size", "dtype", "rows"), k), mlx_ms=round(t[0] * 1e3, 4),
-                 kernel_ms=round(t[1] * 1e3, 4), kernel=_wins(k))
-            for k, t in sorted(_TIMES.items())]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..compat import drop_ssm_mask
+
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
                  ".k_norm.weight", "model.norm.weight")
 _FAMILY = ("qwen3_5", "qwen3_5_moe")
@@ -53,7 +55,7 @@ def fix_loaded(model, path: Path, config: dict) -> None:
         return
     text_model = model.language_model.model
     if all(not layer.is_linear for layer in text_model.layers):
-        text_model.ssm_idx = None
+        drop_ssm_mask(text_model)
     if needs_norm_shift(path, config):
         shift_loaded_norms(model)
 

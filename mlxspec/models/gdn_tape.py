@@ -19,6 +19,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
+from ..compat import swap_class
 from ..kernels.gdn import gated_delta_update  # mlx-lm's own, or the CUDA kernel there
 
 
@@ -121,7 +122,7 @@ def tape_layers(model: nn.Module, cache: list) -> list[_Taping] | None:
                 return None
             continue
         if type(gdn) in TAPED:
-            gdn.__class__ = TAPED[type(gdn)]  # same module, same weights, tape on demand
+            swap_class(gdn, TAPED[type(gdn)])  # same module, same weights, tape on demand
         if not isinstance(gdn, _Taping):
             return None
         taped.append(gdn)

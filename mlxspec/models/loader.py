@@ -194,10 +194,10 @@ def check_checkpoint(path: Path, name: str) -> dict:
     if not any(path.glob(_WEIGHTS_GLOB)):
         raise InvalidCheckpointError(f"model '{name}' ({path}) has no weights ({_WEIGHTS_GLOB} files)")
 
-    from mlx_lm.utils import _get_classes
+    from ..compat import model_classes
 
     try:
-        _get_classes(config)
+        model_classes(config)
     except ValueError:
         import mlx_lm
 
@@ -223,3 +223,23 @@ def load_model(ref: str | None) -> LoadedModel:
 
     install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)
+
+
+# -- architecture support ---------------------------------------------------
+
+
+def check_architecture(config: dict, subject: str, failure: str = "does not support") -> None:
+    """Raise :class:`InvalidCheckpointError` when the installed mlx-lm has no model for the
+    config's model_type: "<subject> has model_type 'x', which mlx-lm <version> <failure>".
+    The one check for a config alone (before any weights are on disk, as when pulling)."""
+    from ..compat import model_classes
+
+    try:
+        model_classes(config)
+    except ValueError:
+        import mlx_lm
+
+        raise InvalidCheckpointError(
+            f"{subject} has model_type '{config.get('model_type')}', "
+            f"which mlx-lm {mlx_lm.__version__} {failure}"
+        ) from None

@@ -17,7 +17,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..reasoning import ReasoningSplitter
-from .app import APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started, template_overrides
+from .common import (APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started,
+                     template_overrides)
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -197,95 +198,124 @@ def _tool_block(call: ToolCall) -> dict:
             "input": call.arguments}
 
 
-async def content_events(deltas: AsyncIterator[str], parse_tools: bool, in_reasoning: bool = False,
-                         show_thinking: bool = True) -> AsyncIterator[tuple[str, dict]]:
-    """content_block_* events for a stream of text deltas: ``<think>`` reasoning becomes thinking
-    blocks (empty unless SHOW_THINKING), the rest text blocks, and tool calls (when
-    PARSE_TOOLS) tool_use blocks. IN_REASONING: the text starts inside the reasoning.
+class ContentBlocks:
+    """content_block_* events for reasoning and answer pieces, one block open at a time:
+    reasoning in thinking blocks (empty unless SHOW_THINKING), the answer in text blocks, and
+    tool calls (when PARSE_TOOLS) in tool_use blocks. Each method yields (name, data) events.
 
     With tools, whitespace just before or after tool calls (the template's newlines) is dropped."""
-    parser = ToolCallParser() if parse_tools else None
-    splitter = ReasoningSplitter(in_reasoning)
-    index, open_block, pending, calls = 0, None, "", 0
 
-    def close():
-        nonlocal open_block, index
-        if open_block == "thinking":  # clients wait for it; there is nothing to sign here
-            yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "signature_delta", "signature": ""}}
-        if open_block:
-            open_block = None
-            yield "content_block_stop", {"type": "content_block_stop", "index": index}
-            index += 1
+    def __init__(self, parse_tools: bool, show_thinking: bool = True):
+        self.parser = ToolCallParser() if parse_tools else None
+        self.show_thinking = show_thinking
+        self.index = 0  # of the block open or next
+        self.open_block: str | None = None  # "text" | "thinking" | None
+        self.pending = ""  # whitespace held back until it is known no tool call follows
+        self.calls = 0
 
-    def start(kind: str):
-        nonlocal open_block
-        if open_block != kind:
-            yield from close()
-            open_block = kind
-            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
-                                                                          "signature": ""}
-            yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": block}
-
-    def emit(piece: str):
-        yield from start("text")
-        yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                      "delta": {"type": "text_delta", "text": piece}}
-
-    def think(piece: str):
-        nonlocal pending
-        pending = ""  # whitespace between an answer and more reasoning: the template's
-        yield from start("thinking")
-        if show_thinking:  # display "omitted": the block is there, its text is not
-            yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "thinking_delta", "thinking": piece}}
-
-    def text(piece: str):
-        nonlocal pending
-        if parser:  # hold trailing whitespace until we know no tool call follows it
-            pending += piece
-            body = pending.rstrip()
-            if not body:
-                return
-            piece, pending = body, pending[len(body):]
-        yield from emit(piece)
-
-    def call(c: ToolCall):
-        nonlocal index, pending, calls
-        pending, calls = "", calls + 1
-        yield from close()
-        block = _tool_block(c)
-        yield "content_block_start", {"type": "content_block_start", "index": index,
-                                      "content_block": {**block, "input": {}}}
-        yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                      "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": index}
-        index += 1
-
-    def answer(items):
-        for p in items:
-            yield from (call(p) if isinstance(p, ToolCall) else text(p))
-
-    def pieces(items):
+    def pieces(self, items):
+        """Events for ReasoningSplitter's ("reasoning" | "content", text) pieces."""
         for kind, piece in items:
             if kind == "reasoning":
-                yield from think(piece)
+                yield from self.think(piece)
             else:
-                yield from answer(parser.feed(piece) if parser else [piece])
+                yield from self.answer(self.parser.feed(piece) if self.parser else [piece])
 
+    def finish(self):
+        """Events once the text has ended: what the tool parser held, then the last block's end."""
+        yield from self.answer(self.parser.finish() if self.parser else [])
+        if self.pending and not self.calls:  # no tool call came after it: it is part of the answer
+            yield from self.emit(self.pending)
+        yield from self.close()
+
+    def answer(self, items):
+        for p in items:
+            yield from (self.call(p) if isinstance(p, ToolCall) else self.text(p))
+
+    def close(self):
+        if self.open_block == "thinking":  # clients wait for it; there is nothing to sign here
+            yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": "signature_delta", "signature": ""}}
+        if self.open_block:
+            self.open_block = None
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+            self.index += 1
+
+    def start(self, kind: str):
+        if self.open_block != kind:
+            yield from self.close()
+            self.open_block = kind
+            block = {"type": "text", "text": ""} if kind == "text" else {"type": "thinking", "thinking": "",
+                                                                          "signature": ""}
+            yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                          "content_block": block}
+
+    def emit(self, piece: str):
+        yield from self.start("text")
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "text_delta", "text": piece}}
+
+    def think(self, piece: str):
+        self.pending = ""  # whitespace between an answer and more reasoning: the template's
+        yield from self.start("thinking")
+        if self.show_thinking:  # display "omitted": the block is there, its text is not
+            yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": "thinking_delta", "thinking": piece}}
+
+    def text(self, piece: str):
+        if self.parser:  # hold trailing whitespace until we know no tool call follows it
+            self.pending += piece
+            body = self.pending.rstrip()
+            if not body:
+                return
+            piece, self.pending = body, self.pending[len(body):]
+        yield from self.emit(piece)
+
+    def call(self, c: ToolCall):
+        self.pending, self.calls = "", self.calls + 1
+        yield from self.close()
+        block = _tool_block(c)
+        yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                      "content_block": {**block, "input": {}}}
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                      "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments)}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+        self.index += 1
+
+
+async def content_events(deltas: AsyncIterator[str], parse_tools: bool, in_reasoning: bool = False,
+                         show_thinking: bool = True) -> AsyncIterator[tuple[str, dict]]:
+    """content_block_* events for a stream of text deltas (see :class:`ContentBlocks`).
+    IN_REASONING: the text starts inside the reasoning."""
+    blocks = ContentBlocks(parse_tools, show_thinking)
+    splitter = ReasoningSplitter(in_reasoning)
     async with aclosing(deltas):
         async for delta in deltas:
-            for event in pieces(splitter.feed(delta)):
+            for event in blocks.pieces(splitter.feed(delta)):
                 yield event
-    for event in pieces(splitter.finish()):
+    for event in blocks.pieces(splitter.finish()):
         yield event
-    for event in answer(parser.finish() if parser else []):
+    for event in blocks.finish():
         yield event
-    if pending and not calls:  # no tool call came after it: it is part of the answer
-        for event in emit(pending):
-            yield event
-    for event in close():
-        yield event
+
+
+async def folded_blocks(events: AsyncIterator[tuple[str, dict]]) -> list[dict]:
+    """The content blocks that content_block_* EVENTS describe, each complete."""
+    blocks: list[dict] = []
+    async for name, data in events:
+        if name == "content_block_start":
+            blocks.append(dict(data["content_block"]))
+        elif name == "content_block_delta":
+            delta = data["delta"]
+            if delta["type"] == "text_delta":
+                blocks[-1]["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                blocks[-1]["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                blocks[-1]["signature"] = delta["signature"]
+            else:
+                blocks[-1]["input"] = json.loads(delta["partial_json"])
+    return blocks
 
 
 def stop_reason(outcome: Outcome, tool_calls: int) -> str:
@@ -294,6 +324,14 @@ def stop_reason(outcome: Outcome, tool_calls: int) -> str:
     if outcome.stop_sequence is not None:
         return "stop_sequence"
     return "max_tokens" if outcome.finish_reason == "length" else "end_turn"
+
+
+def stream_error(err: Exception) -> dict:
+    """The error object for a failure after the stream has started (logged unless an APIError)."""
+    if isinstance(err, APIError):
+        return {"type": err.kind, "message": err.message}
+    log.exception("generation failed mid-stream")
+    return {"type": "api_error", "message": str(err) or "internal server error"}
 
 
 def _sse(name: str, data: dict) -> str:
@@ -325,20 +363,7 @@ async def messages(body: MessagesBody, request: Request):
                 "cache_read_input_tokens": outcome.cached_tokens, "speculation": outcome.speculation()}
 
     if not body.stream:
-        blocks: list[dict] = []
-        async for name, data in events:
-            if name == "content_block_start":
-                blocks.append(dict(data["content_block"]))
-            elif name == "content_block_delta":
-                delta = data["delta"]
-                if delta["type"] == "text_delta":
-                    blocks[-1]["text"] += delta["text"]
-                elif delta["type"] == "thinking_delta":
-                    blocks[-1]["thinking"] += delta["thinking"]
-                elif delta["type"] == "signature_delta":
-                    blocks[-1]["signature"] = delta["signature"]
-                else:
-                    blocks[-1]["input"] = json.loads(delta["partial_json"])
+        blocks = await folded_blocks(events)
         n_calls = sum(b["type"] == "tool_use" for b in blocks)
         return {**message, "content": blocks, "stop_reason": stop_reason(outcome, n_calls),
                 "stop_sequence": outcome.stop_sequence if not n_calls else None, "usage": final_usage()}
@@ -356,11 +381,7 @@ async def messages(body: MessagesBody, request: Request):
                         n_calls += 1
                     yield _sse(name, data)
             except Exception as err:  # the response has started: report in-band
-                if not isinstance(err, APIError):
-                    log.exception("generation failed mid-stream")
-                kind = getattr(err, "kind", "api_error")
-                text = err.message if isinstance(err, APIError) else str(err) or "internal server error"
-                yield _sse("error", {"type": "error", "error": {"type": kind, "message": text}})
+                yield _sse("error", {"type": "error", "error": stream_error(err)})
                 return
         reason = stop_reason(outcome, n_calls)
         yield _sse("message_delta", {"type": "message_delta",

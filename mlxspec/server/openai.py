@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import (APIError, EventStream, GenerationRequest, Outcome, reasoning_pieces, speculation_overrides, started,
-                  template_overrides)
 from .. import reasoning
+from ..options import MAX_SEED, REASONING_MODES
+from .common import (APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started,
+                     template_overrides)
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
@@ -35,7 +37,7 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, le=1_000_000)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)  # what mx.random.seed takes
+    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
     stop: Union[str, list[str], None] = None
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
@@ -80,8 +82,8 @@ def reasoning_mode(body: "ChatRequest") -> str | None:
     modes = []
     r = body.reasoning
     if isinstance(r, str):
-        if r not in reasoning.MODES:
-            raise APIError(400, f"reasoning must be one of {', '.join(reasoning.MODES)} or an object",
+        if r not in REASONING_MODES:
+            raise APIError(400, f"reasoning must be one of {', '.join(REASONING_MODES)} or an object",
                            param="reasoning")
         modes.append(r)
     elif isinstance(r, dict):
@@ -154,6 +156,17 @@ def _usage(gen: GenerationRequest, outcome: Outcome) -> dict:
             "speculation": outcome.speculation()}
 
 
+async def reasoning_pieces(deltas: AsyncIterator[str], in_reasoning: bool) -> AsyncIterator[tuple[str, str]]:
+    """("reasoning" | "content", text) pieces of a generation's text deltas."""
+    splitter = reasoning.ReasoningSplitter(in_reasoning)
+    async with aclosing(deltas):  # closing the pieces stops the generation
+        async for delta in deltas:
+            for piece in splitter.feed(delta):
+                yield piece
+    for piece in splitter.finish():
+        yield piece
+
+
 def _sse(data) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
@@ -161,6 +174,31 @@ def _sse(data) -> str:
 def _call_json(call: ToolCall, index: int) -> dict:
     return {"index": index, "id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+async def _folded_message(deltas: AsyncIterator[str], in_reasoning: bool, parse_tools: bool) -> dict:
+    """The whole assistant message of a generation: its answer, reasoning and tool calls."""
+    parser = ToolCallParser() if parse_tools else None
+    text, thought, calls = "", "", []
+    async for kind, delta in reasoning_pieces(deltas, in_reasoning):
+        if kind == "reasoning":
+            thought += delta
+            continue
+        for piece in (parser.feed(delta) if parser else [delta]):
+            if isinstance(piece, ToolCall):
+                calls.append(piece)
+            else:
+                text += piece
+    for piece in parser.finish() if parser else []:
+        text += piece
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if thought:
+        message["reasoning_content"] = thought
+    if calls:
+        message["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
+        for c in message["tool_calls"]:
+            c.pop("index")
+    return message
 
 
 @router.post("/v1/chat/completions")
@@ -181,27 +219,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     deltas = server.generate(request, gen, outcome)
     if not body.stream:
-        parser = ToolCallParser() if tools else None
-        text, thought, calls = "", "", []
-        async for kind, delta in reasoning_pieces(deltas, in_reasoning):
-            if kind == "reasoning":
-                thought += delta
-                continue
-            for piece in (parser.feed(delta) if parser else [delta]):
-                if isinstance(piece, ToolCall):
-                    calls.append(piece)
-                else:
-                    text += piece
-        for piece in parser.finish() if parser else []:
-            text += piece
-        message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-        if thought:
-            message["reasoning_content"] = thought
-        if calls:
-            message["tool_calls"] = [_call_json(c, i) for i, c in enumerate(calls)]
-            for c in message["tool_calls"]:
-                c.pop("index")
-        finish = "tool_calls" if calls else outcome.finish_reason
+        message = await _folded_message(deltas, in_reasoning, parse_tools=bool(tools))
+        finish = "tool_calls" if "tool_calls" in message else outcome.finish_reason
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": _usage(gen, outcome)}

@@ -11,7 +11,10 @@ import asyncio
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
+
+if TYPE_CHECKING:
+    from .common import ServedModel
 
 _DONE = object()
 
@@ -42,7 +45,7 @@ class Job:
 
 
 class Worker:
-    def __init__(self, spec, max_queue: int):
+    def __init__(self, spec: ServedModel, max_queue: int):
         self.spec = spec
         self.jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.busy = False

@@ -1,9 +1,9 @@
 """DeepSeek-V3 / GLM-4.5-style NextN heads (the extra layer at ``model.layers.{num_hidden_layers}``).
 
 For a pair (h_t, x_{t+1}) — the trunk's final-norm hidden state at position t and the token
-that followed — the head computes (see /work/shared/reference/models/mtp_forward.md, DeepSeek-V3
-and GLM-4.5; vLLM ``deepseek_mtp.py`` / ``glm4_moe_mtp.py``, sglang ``deepseek_nextn.py`` /
-``glm4_moe_nextn.py``)::
+that followed — the head computes (as DeepSeek-V3's and GLM-4.5's public inference code, vLLM
+``deepseek_mtp.py`` / ``glm4_moe_mtp.py`` and sglang ``deepseek_nextn.py`` /
+``glm4_moe_nextn.py`` do)::
 
     e   = enorm(embed(x_{t+1}))           # the layer's own embed_tokens if shipped, else the trunk's
     h   = hnorm(h_t)

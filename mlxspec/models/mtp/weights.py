@@ -14,8 +14,8 @@ Where the tensors may live, in the order looked at: a sidecar (``mtp.safetensors
 ``model.safetensors.index.json``; the ``model*.safetensors`` files themselves. Files are opened
 with ``mx.load``, which is lazy: only the head's tensors are ever read from disk.
 
-Tensors keep their stored dtype and are never dequantized. See
-/work/shared/reference/models/mtp_tensors.md for names and shapes.
+Tensors keep their stored dtype and are never dequantized. The names and shapes are those of
+the published checkpoints and of vLLM's and sglang's MTP loaders.
 """
 
 from __future__ import annotations

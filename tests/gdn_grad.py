@@ -1,4 +1,8 @@
-"""Backward pass of the fused GatedDeltaNet recurrence (:mod:`.gdn`), for training on CUDA.
+"""Backward pass of the fused GatedDeltaNet recurrence (``mlxspec.kernels.gdn``), for training
+on CUDA: a development tool, kept out of the installed package (like tiny.py, scripts and
+benchmarks put tests/ on ``sys.path`` to import it). The package's own
+``gdn.recurrence`` differentiates mlx-lm's ops for its backward; :func:`install` makes training
+runs use this kernel instead.
 
 Rows of the recurrent state evolve independently given q, k, v, g and beta, so the backward
 pass keeps the forward's layout: one warp per (batch, value head, value row) walks the steps in
@@ -18,7 +22,9 @@ import functools
 
 import mlx.core as mx
 
-from .gdn import PRELUDE, ROWS, kernel_template, dims, gated_delta_states
+from mlxspec.compat import rebind
+from mlxspec.kernels import gdn
+from mlxspec.kernels.gdn import PRELUDE, ROWS, dims, gated_delta_kernel, gated_delta_states, kernel_template
 
 _SOURCE = PRELUDE + """
     float ds[n_per_t];
@@ -137,3 +143,23 @@ def backward(q, k, v, g, beta, state, dy, dstate):
         init_value=0.0,
     )
     return tuple(d.astype(p.dtype) for d, p in zip(grads, (q, k, v, g, beta, state)))
+
+
+@mx.custom_function
+def recurrence(q, k, v, g, beta, state):
+    """``gdn.recurrence`` with this module's backward kernel instead of autodiff through
+    mlx-lm's per-token ops."""
+    return gated_delta_kernel(q, k, v, g, beta, state)
+
+
+@recurrence.vjp
+def _recurrence_vjp(primals, cotangents, outputs):
+    return backward(*primals, *cotangents)
+
+
+def install() -> None:
+    """Train with the backward kernel: mlx-lm's GatedDeltaNet layers go through
+    ``gdn.gated_delta_update``, whose unmasked recurrence (what a training step differentiates)
+    becomes :func:`recurrence`. Same forward: inference is unchanged."""
+    gdn.install()
+    rebind(gdn, "recurrence", recurrence)

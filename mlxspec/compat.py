@@ -1,0 +1,61 @@
+"""Every use of an mlx-lm internal, in one place.
+
+mlxspec leans on a few things mlx-lm does not promise to keep: a private function, a private
+attribute, model modules that look functions up by name at call time, layers whose class may be
+swapped on a live instance. Each is wrapped here by one small named function, so an mlx-lm
+upgrade that changes one fails in ``tests/test_compat.py`` (which exercises every function
+against the installed mlx-lm) rather than somewhere inside a generation; pyproject.toml bounds
+mlx-lm to the versions that test has passed with.
+
+The lowest layer of the package: it imports only the standard library at import time, and mlx /
+mlx-lm inside its functions.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable
+
+
+def model_classes(config: dict) -> tuple[type, type]:
+    """(Model, ModelArgs) for a config via private ``mlx_lm.utils._get_classes`` (ValueError if
+    unsupported): the only way to ask whether mlx-lm supports a model_type without loading it."""
+    from mlx_lm.utils import _get_classes
+
+    return _get_classes(config)
+
+
+def ring_index(cache) -> int:
+    """A ``RotatingKVCache``'s private ``_idx`` (its write position): rollback cuts a ring there."""
+    return cache._idx
+
+
+def set_ring_index(cache, index: int) -> None:
+    """Set a ``RotatingKVCache``'s private ``_idx``: rollback and snapshot restore move it."""
+    if not hasattr(cache, "_idx"):
+        raise AttributeError(f"{type(cache).__name__} has no ring index")
+    cache._idx = index
+
+
+def rebind(module: ModuleType, name: str, fn: Callable) -> Callable | None:
+    """Point ``module.name`` at ``fn``, returning the old value: mlx-lm model modules look their
+    imported functions up by name at call time, so this reroutes all their layers (kernels)."""
+    previous = getattr(module, name, None)
+    setattr(module, name, fn)
+    return previous
+
+
+def swap_class(obj: Any, cls: type) -> None:
+    """Make a live mlx / mlx-lm layer a ``cls`` (a subclass of its class): their layers keep all
+    state in the instance, so weights stay and only behaviour changes (kernels, taping)."""
+    if not issubclass(cls, type(obj)):
+        raise TypeError(f"{cls.__name__} does not extend {type(obj).__name__}")
+    obj.__class__ = cls
+
+
+def drop_ssm_mask(text_model) -> None:
+    """Set a Qwen3.5 text model's ``ssm_idx`` to None, as mlx-lm's own ``pipeline()`` does when
+    no layer is GatedDeltaNet: otherwise it reads a mask from a KVCache and fails."""
+    if not hasattr(text_model, "ssm_idx"):
+        raise AttributeError(f"{type(text_model).__name__} has no ssm_idx")
+    text_model.ssm_idx = None

@@ -1,0 +1,69 @@
+"""Generation options every layer shares (CLI, config file, Python API, engine, server): their
+names, limits and defaults, and the one check of their values.
+
+No mlx import here: the CLI reads this module before any model is loaded, and starts fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .errors import MlxspecError, UsageError
+
+DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
+REASONING_MODES = ("on", "off", "auto")  # a thinking model's chat-template switch
+
+# draft depth: tokens drafted per speculative step
+MIN_DEPTH, MAX_DEPTH = 1, 16
+# cap of the adaptive depth per drafter when none is asked for; the presets use the same caps
+DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4}
+FALLBACK_MAX_DEPTH = 4  # a drafter not listed above
+
+# sampling defaults: greedy, no filter
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+DEFAULT_MIN_P = 0.0
+DEFAULT_MAX_TOKENS = 512  # one answer of `mlxspec run` (the config file's default too)
+API_DEFAULT_MAX_TOKENS = 256  # SpecModel.generate / stream
+MAX_SEED = 2**63 - 1  # the largest seed mx.random.seed takes
+
+# earlier conversations' caches kept for prefix reuse (--prompt-cache-bytes)
+DEFAULT_PROMPT_CACHE_SIZE = "2GiB"
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30  # DEFAULT_PROMPT_CACHE_SIZE in bytes
+
+# the server
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
+DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
+
+# option: (whether a value is allowed, what it must be); the second reads after "must be"
+LIMITS = {
+    "drafter": (lambda v: v in DRAFTERS, "one of " + ", ".join(DRAFTERS)),
+    "reasoning": (lambda v: v in REASONING_MODES, "one of " + ", ".join(REASONING_MODES)),
+    "depth": (lambda v: MIN_DEPTH <= v <= MAX_DEPTH, f"between {MIN_DEPTH} and {MAX_DEPTH}"),
+    "temperature": (lambda v: v >= 0, "0 or more"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, "0 (off) or more"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "max_tokens": (lambda v: v >= 1, "at least 1"),
+}
+
+
+def check_values(values: Mapping[str, object], labels: Mapping[str, str] | None = None,
+                 error: type[MlxspecError] = UsageError) -> None:
+    """Raise ERROR for the first of VALUES (option name -> value; None is not given) outside
+    its LIMITS, as "<label> must be <limit>, got <value>". A label is what the caller calls the
+    option (a flag, a config key); it defaults to the option's name."""
+    for name, value in values.items():
+        allowed, limit = LIMITS[name]
+        if value is not None and not allowed(value):
+            label = (labels or {}).get(name, name)
+            raise error(f"{label} must be {limit}, got {value!r}")
+
+
+def check_choice(what: str, value, choices) -> None:
+    """Refuse a name that is not one of CHOICES (drafters, reasoning modes, presets...)."""
+    if value not in choices:
+        raise UsageError(f"unknown {what} '{value}'; choose one of {', '.join(choices)}")

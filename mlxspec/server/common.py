@@ -1,0 +1,194 @@
+"""What the server's modules share: settings, the model they serve, requests and outcomes of a
+generation, errors and how each surface shapes them, and SSE response helpers.
+
+The OpenAI and Anthropic surfaces turn their requests into :class:`GenerationRequest` s and
+stream the generation's text deltas back; nothing here knows either surface's request format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol
+
+from fastapi.responses import StreamingResponse
+
+from .. import reasoning
+from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MIN_DEPTH
+from ..engine.stats import Stats
+
+if TYPE_CHECKING:
+    from ..api import Chunk
+    from ..engine.prefix_cache import PrefixCache
+
+
+class APIError(Exception):
+    """A 4xx/5xx with a message; shaped per surface by the exception handler."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+@dataclass
+class Settings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    max_body_bytes: int = 4 * 1024 * 1024
+    drafter: str = "auto"
+    depth: int | None = None
+    cors: bool = False
+    reasoning: str = "auto"  # on | off | auto: the chat template's enable_thinking by default
+
+
+class ServedModel(Protocol):
+    """What the server needs of the loaded model: a :class:`~mlxspec.api.SpecModel`, or a
+    test's stand-in for one."""
+
+    tokenizer: Any
+    target: Any  # its vocab_size bounds prompts given as token ids
+    prompt_cache: PrefixCache
+
+    def encode(self, prompt, *, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]: ...
+
+    def reuse_points(self, prompt, prompt_ids: list[int], *, tools: list[dict] | None = None,
+                     template_kwargs: dict | None = None) -> list[int]: ...
+
+    def stream(self, prompt, **options) -> Iterator[Chunk]: ...
+
+
+@dataclass
+class GenerationRequest:
+    """What every surface asks of the model."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    drafter: str = "auto"
+    depth: int | None = None
+    checkpoints: list[int] | None = None  # where a later turn may reuse the caches (prefix cache)
+
+
+@dataclass
+class Outcome:
+    """Filled in as a generation runs."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = "stop"  # stop | length
+    stop_sequence: str | None = None
+    stats: Stats = field(default_factory=Stats)  # the latest chunk's; empty before the first
+
+    def speculation(self) -> dict:
+        s = self.stats
+        return {"drafter": s.drafter, "drafted": s.drafted, "accepted": s.accepted,
+                "acceptance": round(s.accepted / s.drafted, 4) if s.drafted else None}
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from the prefix cache instead of prefilled."""
+        return self.stats.cached_tokens
+
+
+def speculation_overrides(body: dict | None, settings: Settings) -> tuple[str, int | None]:
+    """The body's ``"speculation": {"drafter", "depth", "enabled"}`` over the server's defaults."""
+    drafter, depth = settings.drafter, settings.depth
+    if body is None:
+        return drafter, depth
+    if not isinstance(body, dict):
+        raise APIError(400, "speculation must be an object", param="speculation")
+    unknown = set(body) - {"drafter", "depth", "enabled"}
+    if unknown:
+        raise APIError(400, f"unknown speculation field(s): {', '.join(sorted(unknown))}", param="speculation")
+    if "drafter" in body:
+        if body["drafter"] not in DRAFTERS:
+            raise APIError(400, f"speculation.drafter must be one of {', '.join(DRAFTERS)}",
+                           param="speculation.drafter")
+        drafter = body["drafter"]
+    if "depth" in body:
+        d = body["depth"]
+        if not isinstance(d, int) or isinstance(d, bool) or not MIN_DEPTH <= d <= MAX_DEPTH:
+            raise APIError(400, f"speculation.depth must be an integer from {MIN_DEPTH} to {MAX_DEPTH}",
+                           param="speculation.depth")
+        depth = d
+    if "enabled" in body:
+        if not isinstance(body["enabled"], bool):
+            raise APIError(400, "speculation.enabled must be true or false", param="speculation.enabled")
+        if not body["enabled"]:
+            drafter = "none"
+    return drafter, depth
+
+
+# apply_chat_template's own arguments: a request may not set them through chat_template_kwargs
+TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "sanitize_control_tokens", "chat_template", "padding",
+                      "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                      "tokenizer_kwargs"}
+
+
+def template_overrides(settings: Settings, mode: str | None, extra) -> dict:
+    """Chat-template variables: the server's --reasoning, over it the request's reasoning MODE
+    (None: not given), over both its ``chat_template_kwargs``."""
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise APIError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+        taken = sorted(set(extra) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)} (the server does)",
+                           param="chat_template_kwargs")
+    kwargs = reasoning.template_kwargs(mode if mode is not None else settings.reasoning)
+    kwargs.update(extra or {})
+    return kwargs
+
+
+def surface_of(path: str) -> str:
+    """Which API surface a request path belongs to: errors are shaped the way it expects."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_body(surface: str, status: int, message: str, kind: str, param: str | None = None) -> dict:
+    if surface == "anthropic":
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that closes its generator as soon as the response ends. A client that
+    went away cancels the response while the generator waits at a ``yield``; without this the
+    generation would run on until garbage collection got to it."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def started(items: AsyncIterator) -> AsyncIterator:
+    """ITEMS with its first item awaited now: what fails before it (a full queue, a refused
+    drafter) raises here, while the response can still be a plain HTTP error."""
+    head = []
+    try:
+        head.append(await items.__anext__())
+    except StopAsyncIteration:
+        pass
+
+    async def chained():
+        for item in head:
+            yield item
+        async for item in items:
+            yield item
+
+    return chained()

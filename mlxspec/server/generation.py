@@ -1,0 +1,138 @@
+"""Generation for every surface: the :class:`Server` checks what a request asks, renders its
+prompt, runs it on the worker and streams text deltas back, cut at the request's stop strings.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from .. import reasoning
+from ..errors import MlxspecError
+from .common import APIError, GenerationRequest, Outcome, ServedModel, Settings
+from .metrics import Metrics
+from .worker import QueueFull, Worker
+
+log = logging.getLogger("mlxspec.server")
+
+
+def stop_at(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the first stop string in TEXT begins, and which one it is; None: none there."""
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Characters at the end of TEXT that could begin a stop string (not sent yet)."""
+    keep = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                keep = max(keep, n)
+                break
+    return keep
+
+
+async def request_errors(chunks):
+    """The engine refuses what the request asked for (e.g. drafter mtp on a model without a
+    head) with an MlxspecError: that is the client's 400, on every surface."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except MlxspecError as err:
+        raise APIError(400, str(err)) from None
+
+
+class Server:
+    """The one loaded model behind every surface, with its worker and metrics."""
+
+    def __init__(self, spec: ServedModel, settings: Settings):
+        self.spec = spec
+        self.settings = settings
+        self.worker = Worker(spec, settings.max_queue)
+        self.metrics = Metrics()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(404, f"model '{name}' is not served here; this server serves "
+                                f"'{self.settings.model_name}'", kind="not_found_error", param="model")
+
+    def check_max_tokens(self, n: int, param: str = "max_tokens") -> None:
+        if n < 1:
+            raise APIError(400, f"{param} must be at least 1", param=param)
+        if n > self.settings.max_tokens_cap:
+            raise APIError(400, f"{param} {n} is above this server's cap of {self.settings.max_tokens_cap}",
+                           param=param)
+
+    def encode_chat(self, messages: list[dict], tools: list | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
+        try:
+            return self.spec.encode(messages, tools=tools, template_kwargs=template_kwargs)
+        except Exception as err:  # jinja raises many types on odd messages
+            raise APIError(400, f"the chat template rejected these messages: {' '.join(str(err).split())[:200]}")
+
+    def reuse_points(self, messages: list[dict], prompt_ids: list[int], tools: list | None = None,
+                     template_kwargs: dict | None = None) -> list[int]:
+        """Where the next turn of this conversation will share the prompt (the prefix cache
+        keeps a hybrid model's state there)."""
+        return self.spec.reuse_points(messages, prompt_ids, tools=tools, template_kwargs=template_kwargs)
+
+    def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
+        return reasoning.starts_in_reasoning(self.spec.tokenizer, prompt_ids)
+
+    async def generate(self, request: Request, gen: GenerationRequest, outcome: Outcome) -> AsyncIterator[str]:
+        """Text deltas of one generation; OUTCOME is complete when the iterator ends."""
+        if not gen.prompt_ids:
+            raise APIError(400, "the prompt is empty")
+        kwargs = dict(prompt=gen.prompt_ids, max_tokens=gen.max_tokens, temperature=gen.temperature,
+                      top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p, seed=gen.seed,
+                      drafter=gen.drafter, depth=gen.depth)
+        if gen.checkpoints:
+            kwargs["checkpoints"] = gen.checkpoints
+        try:
+            job = self.worker.submit(kwargs)
+        except QueueFull:
+            raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
+                           kind="overloaded_error", headers={"Retry-After": "1"}) from None
+        held, started = "", time.perf_counter()
+        try:
+            async for chunk in request_errors(job.chunks()):
+                if await request.is_disconnected():
+                    return
+                outcome.completion_tokens += len(chunk.tokens)
+                outcome.stats = chunk.stats
+                held += chunk.text
+                hit = stop_at(held, gen.stop)
+                if hit is not None:
+                    cut, outcome.stop_sequence = hit
+                    outcome.finish_reason = "stop"
+                    outcome.text += held[:cut]
+                    if held[:cut]:
+                        yield held[:cut]
+                    held = ""
+                    break
+                safe = len(held) - held_back(held, gen.stop)
+                if safe > 0:
+                    outcome.text += held[:safe]
+                    yield held[:safe]
+                    held = held[safe:]
+            else:
+                if held:
+                    outcome.text += held
+                    yield held
+                outcome.finish_reason = outcome.stats.finish_reason or "stop"
+        finally:
+            job.cancel()
+            self._account(gen, outcome, time.perf_counter() - started)
+
+    def _account(self, gen: GenerationRequest, outcome: Outcome, seconds: float) -> None:
+        """Count a finished generation in the metrics and log one line for it."""
+        spec = outcome.speculation()
+        self.metrics.count_generation(len(gen.prompt_ids), outcome.completion_tokens, spec["drafted"],
+                                      spec["accepted"], outcome.cached_tokens)
+        log.info("prompt=%d cached=%d completion=%d finish=%s drafter=%s drafted=%d accepted=%d %.2fs",
+                 len(gen.prompt_ids), outcome.cached_tokens, outcome.completion_tokens, outcome.finish_reason,
+                 spec["drafter"], spec["drafted"], spec["accepted"], seconds)

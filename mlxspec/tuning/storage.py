@@ -1,0 +1,113 @@
+"""The stored tune records: where they live, which machine and model they belong to, and
+the stored costs the engine reads instead of measuring again."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+from functools import cache
+from pathlib import Path
+
+from ..engine.gates import CostModel
+from ..hardware import detect
+
+FORMAT_VERSION = 1
+DATA_ENV = "MLXSPEC_TUNE_DIR"  # overrides the folder the results live in (tests, CI)
+
+
+def slug(text: str, limit: int = 48) -> str:
+    """``text`` as a lower-case file name: runs of other characters become one '-'."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip()).strip("-.").lower()
+    return name[:limit] or "unknown"
+
+
+@cache
+def machine_info() -> dict:
+    """Platform, CPU and (when MLX runs on one) GPU name of this machine, and its key."""
+    profile = detect(fast=True)  # the GPU name comes from MLX, so system_profiler is not needed
+    gpu = None
+    if profile.mlx_device == "gpu":
+        gpu = profile.gpu or "gpu"  # backends differ in what they report
+    info = {"platform": f"{platform.system()}-{profile.arch or platform.machine()}",
+            "cpu": profile.chip or platform.processor() or platform.machine() or "cpu",
+            "gpu": gpu, "device": "gpu" if gpu else "cpu"}
+    info["key"] = slug("_".join(x for x in (info["platform"], info["cpu"], gpu) if x), 96)
+    return info
+
+
+def machine_key() -> str:
+    return machine_info()["key"]
+
+
+def model_info(loaded) -> dict:
+    """Key of a loaded model: its folder's name + a hash of its resolved path and config."""
+    path = Path(loaded.path).resolve()
+    config = json.dumps(loaded.config, sort_keys=True, default=str)
+    config_hash = hashlib.sha256(config.encode()).hexdigest()[:12]
+    path_hash = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    return {"key": f"{slug(path.name)}-{path_hash}-{config_hash}", "name": loaded.name,
+            "path": str(path), "config_hash": config_hash}
+
+
+def tune_dir() -> Path:
+    env = os.environ.get(DATA_ENV, "").strip()
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("mlxspec")) / "tune"
+
+
+def result_path(loaded) -> Path:
+    return tune_dir() / machine_key() / f"{model_info(loaded)['key']}.json"
+
+
+def save_result(loaded, result: dict) -> Path:
+    """Write ``result`` as the record of this machine and model; returns its path."""
+    path = result_path(loaded)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")  # a reader never sees half a file
+    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def load_result(loaded) -> dict | None:
+    """The stored tune result for this machine and model, or None (also for an unreadable one)."""
+    try:
+        path = result_path(loaded)
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+            return None
+        return data
+    except (OSError, ValueError):
+        return None
+
+
+def stored_cost(loaded) -> CostModel | None:
+    """The stored verify-cost curve as a measured :class:`CostModel`, or None."""
+    data = load_result(loaded)
+    try:
+        curve = {int(n): float(c) for n, c in (data or {}).get("verify_cost", {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        return None
+    if not curve or 1 not in curve or any(c <= 0 for c in curve.values()):
+        return None
+    return CostModel(curve=curve, measured=True)
+
+
+def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
+    """The stored cost of one draft step of ``drafter``, or None. A draft model's cost only
+    counts when it was tuned with this same draft model."""
+    data = load_result(loaded) or {}
+    if drafter == "draft":
+        tuned = data.get("draft_model") or {}
+        if draft is None or tuned.get("key") != model_info(draft)["key"]:
+            return None
+    value = (data.get("draft_cost") or {}).get(drafter)
+    return float(value) if isinstance(value, (int, float)) and value >= 0 else None
