@@ -22,7 +22,8 @@ vocab = vocab_size(shape)
 orig_matmul, orig_use = qmm._matmul, qmm._use
 
 def pad8(module, x):
-    K = x.shape[-1]; rows = x.size // K
+    K = x.shape[-1]
+    rows = x.size // K
     x2 = mx.concatenate([x.reshape(rows, K), mx.zeros((8 - rows, K), x.dtype)]) if rows < 8 else x.reshape(rows, K)
     y = mx.quantized_matmul(x2, module["weight"], module["scales"], module["biases"], transpose=True,
                             group_size=module.group_size, bits=module.bits)[:rows]
@@ -32,9 +33,15 @@ def builtin(module, x):
     return mx.quantized_matmul(x, module["weight"], module["scales"], module["biases"], transpose=True,
                                group_size=module.group_size, bits=module.bits)
 
-always = lambda module, x: qmm.MIN_ROWS <= x.size // x.shape[-1] <= qmm.MAX_ROWS
-below8 = lambda module, x: (x.size // x.shape[-1] < 8 and always(module, x)) or orig_use(module, x)
-STRATS = {"current": (orig_matmul, orig_use), "ours_all": (orig_matmul, always), "ours_below8": (orig_matmul, below8)}
+def threshold(limit):
+    def use(module, x):
+        qmm.MIN_WEIGHT_BYTES = limit
+        return orig_use(module, x)
+    return use
+
+
+STRATS = {"ours_all": (orig_matmul, threshold(0)), "ours_4mb": (orig_matmul, threshold(4 << 20)),
+          "ours_16mb": (orig_matmul, threshold(16 << 20)), "mlx": (orig_matmul, threshold(1 << 62))}
 caches = {}
 for name in STRATS:
     c = make_prompt_cache(model)
@@ -49,13 +56,21 @@ for r in range(rounds + 2):
         qmm._matmul, qmm._use = mm, use
         c = caches[name]
         for L in LS:
-            t0 = time.perf_counter(); mx.eval(model(toks[L][0], cache=c)); dt = time.perf_counter() - t0
-            if r >= 2: times[name][f"sync_{L}"].append(dt * 1e3)
-            t0 = time.perf_counter(); outs = []
+            t0 = time.perf_counter()
+            mx.eval(model(toks[L][0], cache=c))
+            dt = time.perf_counter() - t0
+            if r >= 2:
+                times[name][f"sync_{L}"].append(dt * 1e3)
+            t0 = time.perf_counter()
+            outs = []
             for t in toks[L][:5]:
-                y = model(t, cache=c); mx.async_eval(y); outs.append(y)
-            mx.eval(outs); dt = (time.perf_counter() - t0) / 5
-            if r >= 2: times[name][f"queued_{L}"].append(dt * 1e3)
+                y = model(t, cache=c)
+                mx.async_eval(y)
+                outs.append(y)
+            mx.eval(outs)
+            dt = (time.perf_counter() - t0) / 5
+            if r >= 2:
+                times[name][f"queued_{L}"].append(dt * 1e3)
         for layer_cache in c:  # keep the key length about constant (attention caches)
             if hasattr(layer_cache, "trim") and getattr(layer_cache, "offset", 0) > 700 and layer_cache.is_trimmable():
                 layer_cache.trim(layer_cache.offset - 600)

@@ -109,7 +109,8 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     for dtype in (f32, bf16, mx.float16):
         for bits in (4, 8):
             units.append(_wrap(f"qmm_{_CUDA_TYPES[dtype].strip('_')}_{bits}", qmm._SOURCE,
-                               [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype), ("dims", mx.int32)],
+                               [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype),
+                                ("dims", mx.int32)],
                                [("y", dtype)], [("Bits", bits), ("MaxM", 8), ("Cols", qmm.COLS), ("InT", dtype)]))
     cu = tmp_path / "kernels.cu"
     units += _attention_units()
@@ -178,14 +179,19 @@ def test_swap_sends_2_to_8_rows_to_the_kernel_and_falls_back_when_off(monkeypatc
     x = mx.random.normal((1, 9, 256))
     before = mlp.layers[1](mlp.layers[0](x))
     monkeypatch.setattr(qmm, "active", lambda: True)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)  # these toy matrices are small
     assert qmm.install(mlp) == 3
     assert isinstance(mlp.layers[0], qmm.SmallMQuantizedLinear)
     assert isinstance(mlp.layers[2], qmm.SmallMQuantizedEmbedding)
     called = []
-    monkeypatch.setattr(qmm, "_matmul", lambda module, x: called.append(x.shape) or mx.zeros(x.shape[:-1] + (module.weight.shape[0],)))
+    monkeypatch.setattr(qmm, "_matmul",
+                        lambda module, x: called.append(x.shape) or mx.zeros(x.shape[:-1] + (module.weight.shape[0],)))
     for rows in (1, 2, 8, 9):
         mlp.layers[0](x[:, :rows])
     assert called == [(1, 2, 256), (1, 8, 256)]  # 1 row (decode) and 9 rows: MLX's
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", mlp.layers[0].weight.nbytes + 1)
+    mlp.layers[0](x[:, :4])
+    assert len(called) == 2  # a matrix below the size limit: MLX's
     monkeypatch.setattr(qmm, "active", lambda: False)
     after = mlp.layers[1](mlp.layers[0](x))
     assert mx.array_equal(before, after)

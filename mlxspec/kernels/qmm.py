@@ -6,10 +6,13 @@ tensor-core path. Here one warp computes one output column for all M rows: each 
 16 bytes of packed weights per step, dequantizes them (affine: scale * q + bias, MLX's packing
 of 32/bits values per uint32, lowest bits first) and accumulates them into M row sums.
 
-It is used at every 2..8 rows. Timed alone, MLX's matmul sometimes wins (mostly at 8 rows,
-where it switches to tensor cores), but whole forwards of real shapes were faster with this
-kernel at every row count (``benchmarks/diag_verify_strategies.py``): alone, a call's time is
-mostly launch and host cost, which a forward's hundreds of calls do not add up the same way.
+It is used at every 2..8 rows for matrices of at least MIN_WEIGHT_BYTES. Timed alone, MLX's
+matmul sometimes wins (mostly at 8 rows, where it switches to tensor cores), but whole forwards
+of the 8B and 27B shapes were faster with this kernel at every row count
+(``benchmarks/diag_verify_strategies.py``): alone, a call's time is mostly launch and host cost,
+which a forward's hundreds of calls do not add up the same way. Small matrices (an MoE's
+experts and its k/v projections) stay on MLX's matmul: there the kernel's host cost per call is
+more than reading the matrix once per row.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ MAX_ROWS = 8
 # timed faster alone at 1 row on the large shapes, but no whole 1-token forward got measurably
 # faster with it (run-to-run spread: 10-15%).
 MIN_ROWS = 2
+# A small matrix stays on MLX's matmul: reading it once per row costs less than the host time of
+# a custom kernel's call.
+MIN_WEIGHT_BYTES = 4 << 20
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -104,7 +110,8 @@ _SOURCE = """
             float wv[Cols][VPW];
             #pragma unroll
             for (int c = 0; c < Cols; ++c) {
-                const uint32_t word = wi == 0 ? packed[c].x : wi == 1 ? packed[c].y : wi == 2 ? packed[c].z : packed[c].w;
+                const uint32_t word = wi == 0 ? packed[c].x : wi == 1 ? packed[c].y
+                                    : wi == 2 ? packed[c].z : packed[c].w;
                 #pragma unroll
                 for (int j = 0; j < VPW; ++j) {
                     wv[c][j] = scale[c] * static_cast<float>((word >> (Bits * j)) & MASK) + bias[c];
@@ -195,8 +202,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return y.reshape(*x.shape[:-1], N)
 
 
-def _use(x: mx.array) -> bool:
-    return MIN_ROWS <= x.size // x.shape[-1] <= MAX_ROWS and active()
+def _use(module, x: mx.array) -> bool:
+    return (MIN_ROWS <= x.size // x.shape[-1] <= MAX_ROWS and module["weight"].nbytes >= MIN_WEIGHT_BYTES
+            and active())
 
 
 def _matmul(module, x: mx.array) -> mx.array:
@@ -208,7 +216,7 @@ class SmallMQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` that sends 2..8-row inputs to the kernel where it was faster."""
 
     def __call__(self, x):
-        if not _use(x):
+        if not _use(self, x):
             return super().__call__(x)
         y = _matmul(self, x)
         return y + self["bias"] if "bias" in self else y
@@ -218,7 +226,7 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose tied-output ``as_linear`` does the same."""
 
     def as_linear(self, x):
-        return _matmul(self, x) if _use(x) else super().as_linear(x)
+        return _matmul(self, x) if _use(self, x) else super().as_linear(x)
 
 
 SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding}
