@@ -88,8 +88,8 @@ def part_gdn() -> list[dict]:
 
 
 def part_sweep(shapes, reps: int) -> list[dict]:
-    from mlxspec.engine.costs import verify_times
     from mlxspec.bench.synthetic import random_model, vocab_size
+    from mlxspec.engine.costs import verify_times
 
     out = []
     widths = range(1, 17)

@@ -24,12 +24,12 @@ from mlx_lm import stream_generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from mlxspec.api import SpecModel  # noqa: E402
 import tiny  # noqa: E402  (tests/tiny.py: the toy-checkpoint builders)
-from mlxspec.models.loader import LoadedModel  # noqa: E402
+from mlxspec.api import SpecModel  # noqa: E402
 
 # the random-weight models of real shapes live in the package (also used by `mlxspec bench --sweep`)
 from mlxspec.bench.synthetic import random_model  # noqa: E402
+from mlxspec.models.loader import LoadedModel  # noqa: E402
 
 
 def decode_tps(stamps: list[float]) -> float:

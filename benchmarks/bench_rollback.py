@@ -21,9 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlxspec.engine.cache import ModelState  # noqa: E402
-
 from mlxspec.bench.synthetic import random_model  # noqa: E402
+from mlxspec.engine.cache import ModelState  # noqa: E402
 
 
 def random_hybrid(shape: str, bits: int) -> nn.Module:

@@ -15,9 +15,9 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import tiny  # noqa: E402  (tests/tiny.py: the toy-checkpoint builders)
 from benchmarks.bench_plain import random_model  # noqa: E402
 from mlxspec.engine.speculate import SpeculativeDecoder  # noqa: E402
-import tiny  # noqa: E402  (tests/tiny.py: the toy-checkpoint builders)
 
 
 def first_diff(x, y):
@@ -45,7 +45,7 @@ def main():
 
     ref, lps = mlx_lm_greedy()
     ref2, lps2 = mlx_lm_greedy()
-    gaps = [(mx.sort(l)[-1] - mx.sort(l)[-2]).item() for l in lps]
+    gaps = [(mx.sort(lp)[-1] - mx.sort(lp)[-2]).item() for lp in lps]
     report = {"shape": a.shape, "median_top2_gap": sorted(gaps)[len(gaps) // 2],
               # is plain decoding itself repeatable on this backend?
               "mlx_lm_repeat_first_diff": first_diff(ref, ref2),

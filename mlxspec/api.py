@@ -6,19 +6,73 @@ It joins the pieces in one direction: resolve + load the model (``models``), bui
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Mapping
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
 
 from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
-from .engine.speculate import SpeculativeDecoder
+from .engine.speculate import SpeculativeDecoder, resolve_drafter
 from .engine.stats import Stats
 from .errors import DrafterError, UsageError
 from .models.loader import LoadedModel, load_model
+
 # DRAFTERS and DEFAULT_PROMPT_CACHE_BYTES stay importable from here: callers of the API read them
-from .options import (API_DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_PROMPT_CACHE_BYTES, DEFAULT_TEMPERATURE,
-                      DEFAULT_TOP_K, DEFAULT_TOP_P, DRAFTERS, check_choice, check_values)
+from .options import (
+    API_DEFAULT_MAX_TOKENS,
+    DEFAULT_MIN_P,
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    DRAFTERS,
+    check_choice,
+    check_values,
+)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """How to generate, for any prompt: the keyword arguments of ``SpecModel.generate`` and
+    ``stream``, in one object the CLI, the server and the bench build. Its values are checked
+    here, once, when it is built (UsageError); ``dataclasses.replace`` makes a variant."""
+
+    # sampling
+    max_tokens: int = API_DEFAULT_MAX_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_p: float = DEFAULT_TOP_P
+    top_k: int = DEFAULT_TOP_K
+    min_p: float = DEFAULT_MIN_P
+    seed: int | None = None
+    # speculation: the drafter; a fixed depth, or the adaptive depth's cap (None: per drafter);
+    # gates switch speculation off where it does not pay
+    drafter: str = "auto"
+    depth: int | None = None
+    max_depth: int | None = None
+    gates: bool = True
+    # the prompt: a system prompt, text without the chat template (raw), the template's tools
+    # (function schemas) and extra variables (e.g. enable_thinking)
+    system: str | None = None
+    raw: bool = False
+    tools: list[dict] | None = None
+    template_kwargs: dict | None = None
+    # reuse: look the prompt up in the prefix cache and store this one there; checkpoints:
+    # extra prompt positions to store at (None: where the conversation ends before the
+    # generation prompt); the prompt is fed prefill_step tokens at a time, on_prefill(done,
+    # total) follows it
+    reuse: bool = True
+    checkpoints: Sequence[int] | None = None
+    prefill_step: int = 2048
+    on_prefill: Callable[[int, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("drafter", self.drafter, DRAFTERS)
+        check_values({"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                      "top_k": self.top_k, "min_p": self.min_p, "depth": self.depth})
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
 
 
 @dataclass
@@ -45,14 +99,15 @@ class Result:
 class SpecModel:
     """A loaded target (plus optional draft model) ready to generate speculatively."""
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
         self.target = target
         self.draft = draft
         self.tokenizer = target.tokenizer
         self._mtp: tuple | None = None  # (head or None, why not) once looked for
         self._cost = None  # this machine's verify-cost curve, measured on first use
         # earlier prompts' caches: a request sharing a prefix with one prefills only the rest
-        self.prompt_cache = PrefixCache(DEFAULT_PROMPT_CACHE_BYTES)
+        self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._fixed: bool | None = None  # see _fixed_state
 
     def verify_cost(self):
@@ -178,83 +233,67 @@ class SpecModel:
         return [n] if 0 < n < len(prompt_ids) and history == prompt_ids[:n] else []
 
     # -- generation ------------------------------------------------------
-    def stream(
-        self,
-        prompt,
-        *,
-        max_tokens: int = API_DEFAULT_MAX_TOKENS,
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        top_k: int = DEFAULT_TOP_K,
-        min_p: float = DEFAULT_MIN_P,
-        seed: int | None = None,
-        drafter: str = "auto",
-        depth: int | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        max_depth: int | None = None,
-        gates: bool = True,
-        template_kwargs: dict | None = None,
-        tools: list[dict] | None = None,
-        reuse: bool = True,
-        checkpoints: Sequence[int] | None = None,
-        prefill_step: int = 2048,
-        on_prefill=None,
-    ) -> Iterator[Chunk]:
+    def stream(self, prompt, request: GenerationRequest | None = None, **options) -> Iterator[Chunk]:
         """Yield :class:`Chunk` s as tokens are committed; the last chunk's stats are final.
 
-        With ``reuse`` the longest prefix shared with an earlier prompt (``prompt_cache``) is
-        not prefilled again; ``checkpoints`` are extra prompt positions to store its caches at
-        (default: where the conversation ends before the generation prompt). The prompt is
-        fed ``prefill_step`` tokens at a time; ``on_prefill(done, total)`` reports progress."""
-        check_choice("drafter", drafter, DRAFTERS)
-        check_values({"max_tokens": max_tokens})
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-        sampling.validate()
-        prompt_ids = self.encode(prompt, system=system, raw=raw, tools=tools, template_kwargs=template_kwargs)
+        REQUEST says how to generate; keyword OPTIONS are its fields (see
+        :class:`GenerationRequest`), over REQUEST's when both are given. With ``reuse`` the
+        longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
+        if request is None:
+            request = GenerationRequest(**options)
+        elif options:
+            request = replace(request, **options)
+        r = request
+        prompt_ids = self.encode(prompt, system=r.system, raw=r.raw, tools=r.tools, template_kwargs=r.template_kwargs)
         if not prompt_ids:
             raise UsageError("the prompt is empty")
-        max_tokens = self.check_context(len(prompt_ids), max_tokens)
-        if checkpoints is None and reuse:
-            checkpoints = self.reuse_points(prompt, prompt_ids, system=system, raw=raw, tools=tools,
-                                            template_kwargs=template_kwargs)
+        max_tokens = self.check_context(len(prompt_ids), r.max_tokens)
+        checkpoints = r.checkpoints
+        if checkpoints is None and r.reuse:
+            checkpoints = self.reuse_points(prompt, prompt_ids, system=r.system, raw=r.raw, tools=r.tools,
+                                            template_kwargs=r.template_kwargs)
+        yield from self._text_chunks(self._decoder(r).generate(
+            prompt_ids,
+            sampling=r.sampling,
+            max_tokens=max_tokens,
+            stop_tokens=set(self.tokenizer.eos_token_ids),
+            seed=r.seed,
+            prefix_cache=self.prompt_cache if r.reuse else None,
+            checkpoints=checkpoints or (),
+            prefill_step=r.prefill_step,
+            on_prefill=r.on_prefill,
+        ))
 
+    def _decoder(self, request: GenerationRequest) -> SpeculativeDecoder:
+        """The engine for REQUEST's drafter and depth, with this machine's measured costs."""
+        drafter = request.drafter
         head, why_not = self.mtp_head() if drafter in ("auto", "mtp") else (None, None)
         if drafter == "mtp" and head is None:
             raise DrafterError(
                 f"--drafter mtp: {why_not}; use --drafter pld, or --drafter draft with --draft-model"
             )
+        draft_model = self.draft.model if self.draft else None
+        name = resolve_drafter(drafter, draft_model, head)
         # Depth follows this machine's measured verify cost, except in seeded runs, whose
         # decisions must not depend on timings (they would not repeat).
-        cost = self.verify_cost() if drafter != "none" and seed is None else None
-        decoder = SpeculativeDecoder(
-            self.target.model,
-            draft_model=self.draft.model if self.draft else None,
-            mtp_head=head,
-            drafter=drafter,
-            depth=depth,
-            max_depth=max_depth,
-            gates=gates,
-            cost=cost,
-        )
-        if cost is not None and decoder.drafter is not None:
+        cost = self.verify_cost() if drafter != "none" and request.seed is None else None
+        draft_cost = None
+        if cost is not None and name != "none":
             from .tuning.storage import stored_draft_cost
 
             # `mlxspec tune` timed this drafter's step here: better than the weight-bytes guess
-            tuned = stored_draft_cost(self.target, decoder.drafter.name, self.draft)
-            if tuned is not None:
-                decoder.drafter.cost_per_token = tuned
-        yield from self._text_chunks(decoder.generate(
-            prompt_ids,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            stop_tokens=set(self.tokenizer.eos_token_ids),
-            seed=seed,
-            prefix_cache=self.prompt_cache if reuse else None,
-            checkpoints=checkpoints or (),
-            prefill_step=prefill_step,
-            on_prefill=on_prefill,
-        ))
+            draft_cost = stored_draft_cost(self.target, name, self.draft)
+        return SpeculativeDecoder(
+            self.target.model,
+            draft_model=draft_model,
+            mtp_head=head,
+            drafter=name,
+            depth=request.depth,
+            max_depth=request.max_depth,
+            gates=request.gates,
+            cost=cost,
+            draft_cost=draft_cost,
+        )
 
     def _text_chunks(self, steps) -> Iterator[Chunk]:
         """The decoder's (tokens, stats) steps as Chunks of text; the end-of-text tokens are
@@ -283,20 +322,21 @@ class SpecModel:
                              f"{limit} tokens (max_position_embeddings); shorten the prompt")
         return min(max_tokens, limit - prompt_tokens)
 
-    def generate(self, prompt, **kwargs) -> Result:
-        """Run to completion; returns text, tokens and stats."""
+    def generate(self, prompt, request: GenerationRequest | None = None, **options) -> Result:
+        """Run to completion; returns text, tokens and stats. Arguments as :meth:`stream`'s."""
         parts: list[str] = []
         tokens: list[int] = []
         stats = Stats()
-        for chunk in self.stream(prompt, **kwargs):
+        for chunk in self.stream(prompt, request, **options):
             parts.append(chunk.text)
             tokens.extend(chunk.tokens)
             stats = chunk.stats
         return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason)
 
 
-def load(model=None, draft_model=None, **kwargs) -> SpecModel:
-    """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft."""
+def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> SpecModel:
+    """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft;
+    earlier prompts' caches are kept up to PROMPT_CACHE_BYTES (``SpecModel.prompt_cache``)."""
     target = load_model(model)
     draft = None
     if draft_model is not None:
@@ -304,4 +344,4 @@ def load(model=None, draft_model=None, **kwargs) -> SpecModel:
 
         draft = load_model(draft_model)
         check_compatible(target, draft)
-    return SpecModel(target, draft)
+    return SpecModel(target, draft, prompt_cache_bytes)

@@ -177,16 +177,24 @@ def _check_config(config_path: Path, repo_id: str) -> dict:
         raise InvalidCheckpointError(f"config.json of '{repo_id}' is not valid JSON: {type(err).__name__}") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
-        raise InvalidCheckpointError(f"'{repo_id}' is not a language-model checkpoint: config.json has no \"model_type\"")
+        raise InvalidCheckpointError(
+            f"'{repo_id}' is not a language-model checkpoint: config.json has no \"model_type\"")
     check_architecture(config, f"'{repo_id}'", "cannot load")
     return config
 
 
 def _hub_errors(err: Exception, repo_id: str, revision: str | None) -> MlxspecError | None:
     """One-line error for a huggingface_hub / network / disk exception (None: not one we know)."""
-    from huggingface_hub.errors import (DryRunError, GatedRepoError, HfHubHTTPError, HFValidationError,
-                                        LocalEntryNotFoundError, OfflineModeIsEnabled,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        DryRunError,
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     err = _unwrap_dry_run(err)
     where = endpoint()
@@ -281,7 +289,8 @@ def pull(ref: str, *, revision: str | None = None, include_mtp: bool = True,
         names = {f.filename for f in plan}
         commit = plan[0].commit_hash if plan else None
         if "config.json" not in names:
-            raise InvalidCheckpointError(f"'{repo_id}' is not a Hugging Face / MLX model checkpoint: it has no config.json")
+            raise InvalidCheckpointError(
+                f"'{repo_id}' is not a Hugging Face / MLX model checkpoint: it has no config.json")
         if not any(n.startswith("model") and n.endswith(".safetensors") and n != "model-mtp.safetensors"
                    for n in names):
             raise InvalidCheckpointError(f"'{repo_id}' has no safetensors weights (model*.safetensors); "

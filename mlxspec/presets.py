@@ -18,7 +18,7 @@ acceptance and this machine's verify cost); ``gates`` turns that adaptive on/off
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import hardware
@@ -168,10 +168,10 @@ def resolve(name: str, profile: Profile | None = None, caps: ModelCaps | None = 
     return preset, [preset.description]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunPlan:
     """What a preset decides for one run or server: the drafter, the draft model still to load,
-    extra ``SpecModel.stream`` options (gates, max_depth), and notes for the user in the order
+    extra ``GenerationRequest`` fields (gates, max_depth), and notes for the user in the order
     they were decided (memory warning, auto's choice, a --drafter overriding the preset)."""
 
     drafter: str
@@ -200,26 +200,25 @@ def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: s
     if preset is not None:
         chosen, reasons = resolve(preset, profile, caps or ModelCaps(draft_name=draft_model))
         if preset == "auto" and chosen.drafter != "draft" and caps is not None:
-            caps.draft_bytes = None  # a refused draft model will not be loaded
-    plan = RunPlan(drafter, draft_model, profile=profile)
+            caps = replace(caps, draft_bytes=None)  # a refused draft model will not be loaded
+    notes, load_bytes, options = [], None, {}
     if caps is not None and caps.model_bytes:
-        plan.load_bytes = caps.model_bytes + (caps.draft_bytes or 0)
+        load_bytes = caps.model_bytes + (caps.draft_bytes or 0)
         name = caps.name if not caps.draft_bytes else f"{caps.name} with its draft model"
-        warning = hardware.memory_warning(plan.load_bytes, profile, name)
+        warning = hardware.memory_warning(load_bytes, profile, name)
         if warning:
-            plan.notes.append(warning)
-    if preset is None:
-        return plan
-    if preset == "auto":
-        plan.notes.append(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
-    plan.stream_options["gates"] = chosen.gates
-    if drafter_given:
-        if drafter != chosen.drafter:
-            plan.notes.append(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
-        return plan
-    if chosen.max_depth:
-        plan.stream_options["max_depth"] = chosen.max_depth
-    plan.drafter = chosen.drafter
-    if chosen.drafter != "draft" and preset == "auto":
-        plan.draft_model = None  # refused (or not needed): do not load it
-    return plan
+            notes.append(warning)
+    if preset is not None:
+        if preset == "auto":
+            notes.append(f"preset auto -> {chosen.name}: {'; '.join(reasons)}")
+        options["gates"] = chosen.gates
+        if drafter_given:
+            if drafter != chosen.drafter:
+                notes.append(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+        else:
+            if chosen.max_depth:
+                options["max_depth"] = chosen.max_depth
+            drafter = chosen.drafter
+            if chosen.drafter != "draft" and preset == "auto":
+                draft_model = None  # refused (or not needed): do not load it
+    return RunPlan(drafter, draft_model, options, notes, profile, load_bytes)

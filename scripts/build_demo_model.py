@@ -212,13 +212,14 @@ def machine_description() -> str:
 
 def write_model_card(out: Path, facts: dict) -> None:
     f = facts
+    kv_heads, tokens_seen = f['num_key_value_heads'], f['steps'] * f['batch'] * f['seq']
     card = f"""# mlxspec-demo
 
 A tiny demo model shipped with mlxspec so `mlxspec run` works offline on a fresh
 machine. It is a toy: it writes Python-looking code, not correct programs.
 
 - Architecture: Qwen3 (`model_type: qwen3`), hidden {f['hidden_size']}, {f['num_hidden_layers']} layers,
-  {f['num_attention_heads']} query heads / {f['num_key_value_heads']} KV heads of {f['head_dim']}, MLP {f['intermediate_size']},
+  {f['num_attention_heads']} query heads / {kv_heads} KV heads of {f['head_dim']}, MLP {f['intermediate_size']},
   tied embeddings; {f['params']:,} parameters, stored in bfloat16 ({f['weights_bytes'] / 1e6:.1f} MB).
 - Tokenizer: byte-level BPE, {f['vocab_size']} tokens, trained on the same corpus
   (`train_tokenizer` in tests/tiny.py), ChatML template, EOS `<|im_end|>`.
@@ -228,7 +229,7 @@ machine. It is a toy: it writes Python-looking code, not correct programs.
   "Continue this code:" -> the function, and "Write Python code." -> 40-line chunks.
   {f['train_tokens']:,} training tokens, {f['heldout_tokens']:,} held-out tokens.
 - Training: MLX {f['mlx']} on CPU ({f['machine']}), AdamW peak lr {f['lr']}, batch {f['batch']} x {f['seq']} tokens,
-  {f['steps']} steps ({f['steps'] * f['batch'] * f['seq']:,} tokens seen) in {f['train_seconds'] / 60:.1f} min, seed {f['seed']}.
+  {f['steps']} steps ({tokens_seen:,} tokens seen) in {f['train_seconds'] / 60:.1f} min, seed {f['seed']}.
 - Final training loss (mean of last 20 steps): {f['train_loss']:.3f} nats/token.
   Held-out loss: {f['heldout_loss']:.3f} nats/token (the untrained model: {f['initial_heldout_loss']:.3f}).
 - Trained on windows of {f['seq']} tokens: text much longer than that degrades.

@@ -40,7 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mini_corpus  # noqa: E402
 from tiny import (  # noqa: E402  (numpy-only module)
-    EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILES, make_config, tokenizer_info, write_config_files,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    TOKENIZER_FILES,
+    make_config,
+    tokenizer_info,
+    write_config_files,
 )
 
 # Sizes: ~2.5M (targets) and ~0.8M (draft) parameters; bf16 checkpoints ~12 MiB together.

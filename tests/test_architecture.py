@@ -1,6 +1,8 @@
-"""The package's import graph, read from the source with ``ast``: no import circles and no
-private name (``_name``) imported from another module, except the ones listed here, which the
-redesign still has to remove (the CLI and the server). A new circle or private import fails."""
+"""The package's shape, read from the source with ``ast``: no import circles, no private name
+(``_name``) imported from another module, no file over ``MAX_FILE_LINES`` lines and no function
+or method over ``MAX_FUNCTION_LINES`` lines. There are no known exceptions: ``KNOWN_CIRCLES`` and
+``KNOWN_PRIVATE_FROM`` are empty, and a new circle, private import or oversized file or function
+fails. docs/architecture.md describes the layers these rules keep apart."""
 
 import ast
 from pathlib import Path
@@ -9,6 +11,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mlxspec"
 
 KNOWN_CIRCLES: set[frozenset] = set()
 KNOWN_PRIVATE_FROM: set[str] = set()
+
+# past these a module or function holds more than one idea: split it rather than raise them
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
 
 
 def _modules() -> dict[str, Path]:
@@ -49,6 +55,33 @@ def _graph():
                 if taken and taken.startswith("_") and not taken.startswith("__"):
                     private.append((name, target, taken))
     return graph, private
+
+
+def _long_files(paths, limit: int = MAX_FILE_LINES) -> list[str]:
+    """"path (N lines)" for every file over ``limit`` lines."""
+    out = []
+    for path in sorted(paths):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > limit:
+            out.append(f"{_shown(path)} ({n} lines)")
+    return out
+
+
+def _long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """"path:line name (N lines)" for every def / async def (methods and nested functions
+    included) over ``limit`` lines, from its ``def`` line to its last line."""
+    out = []
+    for path in sorted(paths):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{_shown(path)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent)) if path.is_relative_to(PACKAGE.parent) else str(path)
 
 
 def _circles(graph) -> list[frozenset]:
@@ -103,3 +136,35 @@ def test_the_checks_can_fail(tmp_path):
     mods = {"p.x": tmp_path / "x.py", "p.y": tmp_path / "y.py"}
     mods["p.x"].write_text("from .y import _hidden, shown\n")
     assert _imports("p.x", mods["p.x"], mods) == [("p.y", "_hidden"), ("p.y", "shown")]
+
+
+def test_no_file_over_the_line_limit():
+    long = _long_files(_modules().values())
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_function_over_the_line_limit():
+    long = _long_functions(_modules().values())
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_size_checks_can_fail(tmp_path):
+    """The size readers see a planted long file, long function and long method."""
+    path = tmp_path / "big.py"
+    path.write_text(
+        "def short():\n"
+        "    pass\n"
+        "\n"
+        "async def long():\n"
+        "    a = 1\n"
+        "    return a\n"
+        "\n"
+        "class C:\n"
+        "    def method(self):\n"
+        "        a = 1\n"
+        "        return a\n"
+    )
+    assert _long_files([path], limit=10) == [f"{path} (11 lines)"]
+    assert _long_files([path], limit=11) == []
+    assert _long_functions([path], limit=2) == [f"{path}:4 long (3 lines)", f"{path}:9 method (3 lines)"]
+    assert _long_functions([path], limit=3) == []

@@ -8,10 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxspec import cli
-from mlxspec.bench.chat import (LOW_ID, check_plan, default_user_tokens, first_block, run_chat,
-                                summarize, user_blocks)
-from mlxspec.errors import UsageError
+from mlxspec.bench.chat import LOW_ID, check_plan, default_user_tokens, first_block, run_chat, summarize, user_blocks
 from mlxspec.bench.synthetic import random_model, vocab_size
+from mlxspec.errors import UsageError
 
 TURNS, CONTEXT, USER, ANSWER, REPS = 3, 240, 32, 8, 2
 

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from mlxspec import cli
 from mlxspec.bench.real_shapes import Cell, plan, run_real_shapes
 from mlxspec.bench.script import ScriptedLogits, SteeredLookup, make_script, parse_workload
-from mlxspec.errors import UsageError
 from mlxspec.bench.synthetic import random_model, random_mtp_head
+from mlxspec.errors import UsageError
 
 
 def test_scripts_have_the_promised_shape():

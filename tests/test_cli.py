@@ -177,10 +177,13 @@ class FakeSpecModel:
     def encode(self, prompt, **options):
         return [1, 2, 3]
 
-    def stream(self, prompt, **options):
-        self.calls.append((prompt, options))
+    def stream(self, prompt, request, **options):
+        from mlxspec.api import Chunk, GenerationRequest
+
+        # the request's fields the CLI set (those not at their defaults), as keyword arguments
+        default = GenerationRequest()
+        self.calls.append((prompt, {k: v for k, v in vars(request).items() if v != getattr(default, k)} | options))
         stats = Stats(drafter="pld", depth=4, prompt_tokens=3, generated_tokens=2)
-        from mlxspec.api import Chunk
 
         yield Chunk(text="fake ", tokens=[1], stats=stats)
         yield Chunk(text="answer", tokens=[2], stats=stats)

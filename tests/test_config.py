@@ -5,8 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mlxspec import hub
-from mlxspec import cli, config
+from mlxspec import cli, config, hub
 from mlxspec.errors import MlxspecError
 
 
@@ -66,8 +65,8 @@ def test_run_uses_the_settings(cfg, monkeypatch):
         is_demo = False
         name = "fake"
 
-        def generate(self, prompt, **options):
-            seen.update(options)
+        def generate(self, prompt, request):
+            seen.update(vars(request))
             raise MlxspecError("stop here")
 
         stream = generate

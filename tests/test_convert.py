@@ -13,10 +13,10 @@ import mlx_lm
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.errors import MlxspecError, UsageError
 import tiny
 import tiny_mtp
+from mlxspec.engine.speculate import SpeculativeDecoder
+from mlxspec.errors import MlxspecError, UsageError
 from mlxspec.models.convert import SIDECAR, convert_checkpoint
 from mlxspec.models.mtp import load_mtp_head
 from mlxspec.models.mtp.weights import find_mtp_weights

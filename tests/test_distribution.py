@@ -13,11 +13,11 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
+import tiny
 from mlxspec.engine import speculate as speculate_mod
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept_sampled
 from mlxspec.engine.speculate import SpeculativeDecoder
-import tiny
 from stats_helpers import chi_square_p, exact_joint
 
 ALPHA = 1e-3  # false-alarm rate of each chi-square test

@@ -6,10 +6,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 
+import tiny
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.speculate import SpeculativeDecoder
-import tiny
 
 N_TOKENS = 48
 PROMPTS = [

@@ -5,11 +5,11 @@ import random
 import mlx_lm
 import pytest
 
+import tiny
 from mlxspec.engine.drafters.pld import PromptLookupDrafter, repetition_score
 from mlxspec.engine.gates import AcceptanceModel, CostModel, SpeculationGate
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-import tiny
 
 NOVEL_PROMPT = "The quick brown fox jumps over the lazy dog."
 

@@ -6,18 +6,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mlxspec import cli, hub
-
 from fake_hub import FakeHub
+from mlxspec import cli, hub
 
 REPO = "tiny-org/tiny-qwen3"
 
 
 @pytest.fixture
 def fake_hub(tmp_path, monkeypatch):
-    import huggingface_hub.constants as constants
-
     import socket
+
+    import huggingface_hub.constants as constants
 
     real_getaddrinfo = socket.getaddrinfo
 

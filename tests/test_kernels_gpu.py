@@ -182,9 +182,8 @@ def test_mini_hybrid_speculates_exactly_with_the_kernels(monkeypatch):
     from mlx_lm.generate import generate_step
 
     from mlxspec.engine.speculate import SpeculativeDecoder
-    from mlxspec.models.mtp import load_mtp_head
-
     from mlxspec.models.loader import load_model
+    from mlxspec.models.mtp import load_mtp_head
 
     loaded = load_model(str(MODELS / "mini-hybrid"))
     _fp32(loaded.model)

@@ -9,11 +9,11 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlxspec
+import tiny
+import tiny_mtp
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError
-import tiny
-import tiny_mtp
 from mlxspec.models.mtp import load_mtp_head
 from stats_helpers import chi_square_p, exact_joint
 

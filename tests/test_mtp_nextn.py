@@ -12,12 +12,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
+import tiny_mtp
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import InvalidCheckpointError
-import tiny_mtp
 from mlxspec.models.mtp import MTPHead, load_mtp_head
-from mlxspec.models.trunk import split_trunk
 from mlxspec.models.mtp.nextn import NextNHead
+from mlxspec.models.trunk import split_trunk
 
 VOCAB = 32
 N = 32

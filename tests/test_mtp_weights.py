@@ -8,9 +8,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxspec.errors import InvalidCheckpointError
 import tiny
 import tiny_mtp
+from mlxspec.errors import InvalidCheckpointError
 from mlxspec.models.mtp import MTPWeights, find_mtp_weights
 
 VOCAB = 32

@@ -1,18 +1,15 @@
 """Queued verifies (pipelining): a verify guessed before the one before it is read changes no
 token, whether the guess holds (used as queued) or not (undone), on every cache kind."""
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 
 from mlxspec.bench.script import ScriptedLogits, SteeredLookup, make_script
-from mlxspec.engine import speculate
+from mlxspec.bench.synthetic import random_model
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.gates import AheadGate
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.bench.synthetic import random_model
-
 from test_exactness import PROMPTS, greedy_reference
 
 

@@ -268,6 +268,7 @@ def test_the_server_reuses_each_clients_conversation_and_says_so_in_usage(minis)
     anthropic = pytest.importorskip("anthropic")
     openai = pytest.importorskip("openai")
     import httpx
+
     from mlxspec.server.app import create_app
     from mlxspec.server.common import Settings
     from server_helpers import running

@@ -91,11 +91,11 @@ class FakeSpec:
     def encode(self, prompt, **options):
         return [1, 2, 3]
 
-    def stream(self, prompt, **options):
+    def stream(self, prompt, request, **options):
         from mlxspec.api import Chunk
         from mlxspec.engine.stats import Stats
 
-        self.calls.append(options)
+        self.calls.append({k: v for k, v in vars(request).items() if v is not None} | options)  # the fields set
         yield Chunk(text="ok", tokens=[1], stats=Stats(drafter="pld", depth=4))
 
 

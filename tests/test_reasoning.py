@@ -378,8 +378,8 @@ class FakeSpec:
     def encode(self, prompt, **options):
         return [7]
 
-    def stream(self, prompt, **options):
-        self.calls.append((prompt, options))
+    def stream(self, prompt, request, **options):
+        self.calls.append((prompt, vars(request) | options))
         for i in range(0, len(self.text), 2):
             yield api.Chunk(text=self.text[i:i + 2], tokens=[i], stats=Stats(generated_tokens=1))
 
@@ -443,7 +443,7 @@ def test_terminal_shows_reasoning_dimmed(fake, monkeypatch, live):
     monkeypatch.setattr(cli_chat, "stdout_console",
                         lambda: Console(file=buffer, force_terminal=True, color_system="standard", width=60))
     spec = fake("<think>\nhmm, greet\n</think>\n\nHello!")
-    answer = cli_chat.Answer(live).stream(spec, "p", {})
+    answer = cli_chat.Answer(live).stream(spec, "p", api.GenerationRequest())
     assert (answer.reasoning, answer.text) == ("hmm, greet", "Hello!")
     out = buffer.getvalue().replace("\x1b[0m\x1b[2m", "")  # Rich ends and restarts dim per chunk
     assert "\x1b[2mhmm, greet" in out and "Hello!" in out and "<think>" not in out
@@ -451,7 +451,7 @@ def test_terminal_shows_reasoning_dimmed(fake, monkeypatch, live):
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)
     assert "hmm, greet\n\n" in plain and plain.endswith("Hello!\n")  # a blank line before the answer
     buffer.truncate(0)
-    cli_chat.Answer(live, hide_reasoning=True).stream(spec, "p", {})
+    cli_chat.Answer(live, hide_reasoning=True).stream(spec, "p", api.GenerationRequest())
     assert "hmm" not in buffer.getvalue() and "Hello!" in buffer.getvalue()
 
 
@@ -459,7 +459,7 @@ def test_chat_history_keeps_only_the_answer(fake, monkeypatch):
     spec = fake("<think>\nhmm\n</think>\n\nHello!")
     lines = iter(["first", "second", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    cli_chat.chat(spec, {}, show_stats=False, live=False)
+    cli_chat.chat(spec, api.GenerationRequest(), show_stats=False, live=False)
     assert spec.calls[1][0] == [{"role": "user", "content": "first"}, {"role": "assistant", "content": "Hello!"},
                                 {"role": "user", "content": "second"}]
 

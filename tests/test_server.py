@@ -92,8 +92,9 @@ def test_completions_stop_and_seed(spec, served):
 def test_tools_reach_the_template_and_tool_calls_come_back(spec, served, monkeypatch):
     url, app = served
     server = app.state.server
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                               "parameters": parameters}}]
     # the random model never calls a tool: make the generation say a call, as a real model would
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     pieces = ["Let me check. ", call[:9], call[9:30], call[30:]]
@@ -292,7 +293,8 @@ def test_schema_fuzzing_finds_no_server_errors(served):
 
 def test_serve_refuses_public_bind_without_key():
     r = subprocess.run([sys.executable, "-m", "mlxspec", "serve", "--host", "0.0.0.0"],
-                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+                       capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert r.returncode != 0
     assert r.stderr.strip().count("\n") == 0 and "without an API key" in r.stderr
 

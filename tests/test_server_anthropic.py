@@ -366,7 +366,7 @@ def test_client_disconnect_cancels_the_generation(app, base_url, monkeypatch):
     class Slow:
         def stream(self, **kwargs):
             try:
-                for _ in range(kwargs["max_tokens"]):
+                for _ in range(kwargs["request"].max_tokens):
                     time.sleep(0.05)
                     made.append(1)
                     yield api.Chunk(text="a", tokens=[1], stats=Stats())

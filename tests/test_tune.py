@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mlxspec import cli
-from mlxspec.tuning import measure, storage
 from mlxspec.api import load
+from mlxspec.tuning import measure, storage
 
 KEYS = {"version", "created", "machine", "model", "draft_model", "verify_cost", "draft_cost",
         "acceptance", "depth", "tune_depth"}

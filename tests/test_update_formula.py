@@ -30,7 +30,8 @@ def test_choose_file_compiled_gets_the_oldest_fitting_macos_wheel():
     assert file_name(chosen.url) == "mlx-0.32.4-cp313-cp313-macosx_14_0_arm64.whl" and chosen.is_wheel
     assert chosen.sha256 == files[2]["hashes"]["sha256"]
     abi3 = [pypi_file("tokenizers-0.23.3-cp310-abi3-macosx_11_0_arm64.whl"), pypi_file("tokenizers-0.23.3.tar.gz")]
-    assert file_name(update_formula.choose_file("tokenizers", "0.23.3", abi3, TAGS).url).endswith("abi3-macosx_11_0_arm64.whl")
+    chosen = update_formula.choose_file("tokenizers", "0.23.3", abi3, TAGS)
+    assert file_name(chosen.url).endswith("abi3-macosx_11_0_arm64.whl")
 
 
 def test_choose_file_pure_python_gets_its_wheel_and_sdist_only_without_one():
@@ -51,8 +52,10 @@ def test_choose_file_pure_python_gets_its_wheel_and_sdist_only_without_one():
 
 def test_rewrite_replaces_url_sha_and_resources():
     text = FORMULA.read_text()
-    resources = [update_formula.Resource("zeta", "1.0", "https://files.pythonhosted.org/packages/z/zeta-1.0.tar.gz", "1" * 64),
-                 update_formula.Resource("alpha", "2.0", "https://files.pythonhosted.org/packages/a/alpha-2.0-cp313-cp313-macosx_14_0_arm64.whl", "2" * 64)]
+    packages = "https://files.pythonhosted.org/packages"
+    resources = [update_formula.Resource("zeta", "1.0", f"{packages}/z/zeta-1.0.tar.gz", "1" * 64),
+                 update_formula.Resource("alpha", "2.0", f"{packages}/a/alpha-2.0-cp313-cp313-macosx_14_0_arm64.whl",
+                                         "2" * 64)]
     new = update_formula.rewrite(text, "https://example.invalid/mlxspec-9.0.tar.gz", "f" * 64, resources)
     assert new.count("  resource ") == 2 and new.index('resource "alpha"') < new.index('resource "zeta"')
     assert 'url "https://example.invalid/mlxspec-9.0.tar.gz"\n  sha256 "' + "f" * 64 in new

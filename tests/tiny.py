@@ -105,8 +105,7 @@ def _write_tokenizer_configs(out_dir: Path, tokenizer_class: str, special_ids: d
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir) -> Path:
     """Train a byte-level BPE tokenizer (Qwen-style pipeline) and write its files."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

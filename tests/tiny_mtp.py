@@ -10,14 +10,23 @@ from pathlib import Path
 
 import numpy as np
 
-from mlxspec.models.mtp.weights import QWEN_PREFIXES
-from tiny import EOS_TOKEN, PAD_TOKEN, mlx_parameter_shapes, random_tensor, save_safetensors, tokenizer_info, write_config_files, write_minimal_tokenizer
+from mlxspec.models.mtp.names import QWEN_PREFIXES
+from tiny import (
+    EOS_TOKEN,
+    PAD_TOKEN,
+    mlx_parameter_shapes,
+    random_tensor,
+    save_safetensors,
+    tokenizer_info,
+    write_config_files,
+    write_minimal_tokenizer,
+)
 
 # MTP / NextN head layouts (fixtures for mlxspec.models.mtp.weights)
 
 MTP_SIDECARS = ("mtp.safetensors", "mtp/weights.safetensors", "model-mtp.safetensors")
 # HF key prefixes seen for the Qwen head; relayout_mtp writes any of them
-# every key prefix the loader reads (mlxspec.models.mtp.weights), not a copy of them
+# every key prefix the loader reads (mlxspec.models.mtp.names), not a copy of them
 MTP_KEY_PREFIXES = QWEN_PREFIXES
 _QWEN_HEAD_NORMS = ("norm.weight", "layernorm.weight", "q_norm.weight", "k_norm.weight",
                     "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import MlxspecError, UsageError
@@ -44,15 +44,15 @@ class WorkloadError(MlxspecError):
     """A prompt set that cannot be read; the message names the file (and line)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prompt:
     id: str
     text: str
     max_tokens: int
-    ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # the text's tokens, once a Bench encoded it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Workload:
     name: str
     path: Path
@@ -114,8 +114,7 @@ def load_workloads(directory, names=None, prompts: int | None = None,
             raise WorkloadError(f"no workload '{name}' in '{directory}' ({name}.jsonl; found: {have})")
         items = _read_workload(path)[:prompts] if prompts else _read_workload(path)
         if max_tokens:
-            for p in items:
-                p.max_tokens = max_tokens
+            items = [replace(p, max_tokens=max_tokens) for p in items]
         out.append(Workload(name, path, items))
     return out
 
@@ -182,14 +181,17 @@ class Bench:
     """One loaded SpecModel, its workloads (prompts already tokenized) and engines."""
 
     def __init__(self, spec, workloads: list[Workload], engines: list[str], options: Options):
-        self.spec, self.workloads, self.options = spec, workloads, options
-        for w in workloads:
-            for p in w.prompts:
-                p.ids = spec.encode(p.text, raw=True)
-                if not p.ids:
-                    raise WorkloadError(f"{w.path}: prompt {p.id!r} encodes to no tokens")
+        self.spec, self.options = spec, options
+        self.workloads = [replace(w, prompts=[self._encoded(w, p) for p in w.prompts]) for w in workloads]
         self.skipped = {e: why for e in engines if (why := self.unavailable(e))}
         self.engines = [e for e in engines if e not in self.skipped]
+
+    def _encoded(self, workload: Workload, prompt: Prompt) -> Prompt:
+        """PROMPT with its text's token ids (the text as is, no chat template)."""
+        ids = self.spec.encode(prompt.text, raw=True)
+        if not ids:
+            raise WorkloadError(f"{workload.path}: prompt {prompt.id!r} encodes to no tokens")
+        return replace(prompt, ids=ids)
 
     def unavailable(self, engine: str) -> str | None:
         """Why ``engine`` cannot run with this model (None: it can)."""
@@ -222,9 +224,7 @@ class Bench:
         else:
             gen = self._mlxspec(engine.split("-", 1)[1], ids, max_tokens, temperature)
         mx.synchronize()
-        gen.peak_mb = mx.get_peak_memory() / 1e6
-        gen.active_mb = active / 1e6
-        return gen
+        return replace(gen, peak_mb=mx.get_peak_memory() / 1e6, active_mb=active / 1e6)
 
     def _mlx_lm(self, ids, max_tokens, temperature, with_draft) -> Generation:
         from mlx_lm import stream_generate
@@ -244,11 +244,14 @@ class Bench:
                           from_draft=from_draft if with_draft else None)
 
     def _mlxspec(self, drafter, ids, max_tokens, temperature) -> Generation:
-        depth = self.options.depth if drafter != "none" else None
+        from ..api import GenerationRequest
+
+        request = GenerationRequest(max_tokens=max_tokens, temperature=temperature, drafter=drafter,
+                                    depth=self.options.depth if drafter != "none" else None, raw=True,
+                                    gates=self.options.gates)
         tokens, t_first, t_last, stats = [], None, None, None
         t0 = time.perf_counter()
-        for chunk in self.spec.stream(ids, max_tokens=max_tokens, temperature=temperature,
-                                      drafter=drafter, depth=depth, raw=True, gates=self.options.gates):
+        for chunk in self.spec.stream(ids, request=request):
             if chunk.tokens:
                 t_last = time.perf_counter()
                 t_first = t_first or t_last

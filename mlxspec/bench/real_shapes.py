@@ -8,9 +8,9 @@ Qwen3-0.6B-shaped draft model are built; the verify-cost curve the engine's dept
 is measured as in ``run``; forwards of 1..N tokens over a growing cache are timed for the
 ideal. Then, for each repetition, every (workload, engine, depth) cell generates once,
 interleaved. Reported per cell, median over repetitions: tok/s, speedup over mlx-lm plain on
-the same workload (per repetition, against that repetition's mlx-lm run), acceptance, tokens per target forward, the ideal speedup (what the measured
-forward costs allow for the steps this run took, with no host time) and achieved/ideal, and
-whether the tokens equal the script.
+the same workload (per repetition, against that repetition's mlx-lm run), acceptance, tokens
+per target forward, the ideal speedup (what the measured forward costs allow for the steps
+this run took, with no host time) and achieved/ideal, and whether the tokens equal the script.
 """
 
 from __future__ import annotations
@@ -95,18 +95,21 @@ def mtp_step_ms(head, context: int, reps: int) -> float:
     """Median ms of one MTP head draft step (its layer, the lm_head, a greedy pick)."""
     import mlx.core as mx
 
+    from ..engine.costs import call_times
+
     cache = head.make_cache()
     hidden_size = head.module.fc.weight.shape[0]
     rows = mx.zeros((context, hidden_size), mx.bfloat16)
     mx.eval(head.forward(mx.arange(context).astype(mx.uint32), rows, cache))
-    last = rows[-1:]
-    samples = []
-    for i in range(reps + 1):
-        t0 = time.perf_counter()
-        logits, last = head.step(mx.array([i + 1], mx.uint32), last, cache)
-        mx.eval(mx.argmax(logits, axis=-1), last)
-        samples.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(samples[1:])
+    state = {"last": rows[-1:], "token": 0}  # each step feeds the previous step's hidden row
+
+    def step():
+        state["token"] += 1
+        logits, state["last"] = head.step(mx.array([state["token"]], mx.uint32), state["last"], cache)
+        mx.eval(mx.argmax(logits, axis=-1), state["last"])
+
+    # one untimed step first: the first call compiles kernels for the new shape
+    return 1e3 * statistics.median(call_times(step, reps, warmup=1))
 
 
 # -- one generation -------------------------------------------------------------------------
@@ -130,9 +133,9 @@ class ShapeBench:
 
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
-        from .script import ScriptedLogits, make_script
         from ..engine.cache import model_nbytes
         from ..engine.costs import measure_verify_cost
+        from .script import ScriptedLogits, make_script
         from .synthetic import MOE, random_model, random_mtp_head, shape_config, vocab_size
 
         say = on_step or (lambda *a: None)
@@ -197,10 +200,10 @@ class ShapeBench:
                    from_draft=from_draft if cell.engine == "mlx-lm-draft" else None)
 
     def _drafter(self, engine: str, script):
-        from .script import SteeredLookup, SteeredMTP
         from ..engine.drafters.draft_model import DraftModelDrafter
         from ..engine.drafters.mtp import MTPDrafter
         from ..engine.drafters.pld import PromptLookupDrafter
+        from .script import SteeredLookup, SteeredMTP
 
         steered = script.acceptance is not None
         if engine == "mlxspec-pld":

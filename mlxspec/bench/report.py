@@ -12,8 +12,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .prompts import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
 from ..errors import MlxspecError, UsageError
+from .prompts import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
 
 PNG_HINT = 'the chart needs matplotlib: pip install "mlxspec[bench]"'
 
@@ -117,7 +117,8 @@ def read_json(path: str) -> dict:
         raise UsageError(f"--from-json: no file '{path}'") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise MlxspecError(f"--from-json: '{path}' is not a bench JSON file ({err})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in ("bench", "sweep", "chat", "real_shapes"):
+    kinds = ("bench", "sweep", "chat", "real_shapes")
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("kind") not in kinds:
         raise MlxspecError(f"--from-json: '{path}' was not written by `mlxspec bench --json` ({SCHEMA})")
     return doc
 

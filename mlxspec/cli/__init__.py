@@ -5,6 +5,7 @@ import os
 import sys
 
 from ..errors import MlxspecError
+
 # each command module registers its commands on the app, in the order `--help` lists them
 from . import run  # isort: skip
 from . import machine  # isort: skip

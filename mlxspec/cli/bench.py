@@ -7,11 +7,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import app
-from .console import (complete_model, help_text, load_with_spinner, print_note, stderr_console, stdout_console,
-                      user_errors)
 from ..errors import UsageError
 from ..options import DRAFTERS, MAX_DEPTH, MIN_DEPTH, check_values
+from .app import app
+from .console import (
+    complete_model,
+    help_text,
+    load_with_spinner,
+    print_note,
+    stderr_console,
+    stdout_console,
+    user_errors,
+)
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
 DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
@@ -415,8 +422,8 @@ def _load(model: str, draft_model: Optional[str], dtype: Optional[str]):
 def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, max_tokens, reps, bits,
               dtype, json_path, png_path) -> None:
     """``bench --chat``: flags checked, then MODEL or each random shape through run_chat."""
-    from ..bench.chat import check_plan, chat_config, default_user_tokens, run_chat, run_chat_shapes
-    from ..bench.report import model_info, chat_document
+    from ..bench.chat import chat_config, check_plan, default_user_tokens, run_chat, run_chat_shapes
+    from ..bench.report import chat_document, model_info
 
     turns = 5 if turns is None else turns
     answer = 64 if max_tokens is None else max_tokens

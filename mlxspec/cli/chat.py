@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import replace
 
-from .console import print_error, print_note, print_stats, stdout_console
 from ..errors import MlxspecError
+from .console import print_error, print_note, print_stats, stdout_console
 
 
-def starts_in_reasoning(spec, prompt, options: dict) -> bool:
+def starts_in_reasoning(spec, prompt, request) -> bool:
     """Whether the model's text starts inside ``<think>`` (the prompt opened it, as Qwen3.5/3.6's
-    templates do when thinking is on)."""
+    templates do when thinking is on); REQUEST (a GenerationRequest) says how the prompt renders."""
     from ..reasoning import starts_in_reasoning as tail_opens
 
-    ids = spec.encode(prompt, system=options.get("system"), raw=options.get("raw", False),
-                      template_kwargs=options.get("template_kwargs"))
+    ids = spec.encode(prompt, system=request.system, raw=request.raw, tools=request.tools,
+                      template_kwargs=request.template_kwargs)
     return tail_opens(spec.tokenizer, ids)
 
 
@@ -39,16 +40,18 @@ class Answer:
         self._open_tag = False  # piped: "<think>\n" still to print before the model's text
         self._tail = ""  # last character printed without the live view
 
-    def stream(self, spec, prompt, options: dict) -> "Answer":
+    def stream(self, spec, prompt, request) -> "Answer":
+        """Stream SPEC's answer to PROMPT as REQUEST (a GenerationRequest) asks."""
         from ..reasoning import ReasoningSplitter
         from ..ui import StreamView
 
-        in_reasoning = starts_in_reasoning(spec, prompt, options)
+        in_reasoning = starts_in_reasoning(spec, prompt, request)
         splitter = ReasoningSplitter(in_reasoning)
         self._open_tag = in_reasoning and not self.hide  # the prompt wrote it; piped text shows it
         view = StreamView(stdout_console()) if self.live else None
-        # a long prompt's prefill shows its progress in the status line
-        chunks = spec.stream(prompt, **options, **({"on_prefill": view.prefill} if view else {}))
+        if view:  # a long prompt's prefill shows its progress in the status line
+            request = replace(request, on_prefill=view.prefill)
+        chunks = spec.stream(prompt, request=request)
         try:
             with view if view else contextlib.nullcontext():
                 try:
@@ -108,8 +111,9 @@ class Answer:
 CHAT_HELP = "commands: /reset (forget the conversation), /stats (last answer's stats), /exit (or Ctrl-D)"
 
 
-def chat(spec, options: dict, show_stats: bool, live: bool, hide_reasoning: bool = False) -> None:
-    """Interactive chat: history kept across turns, Ctrl-C stops an answer, Ctrl-D quits."""
+def chat(spec, request, show_stats: bool, live: bool, hide_reasoning: bool = False) -> None:
+    """Interactive chat: history kept across turns, Ctrl-C stops an answer, Ctrl-D quits; every
+    answer as REQUEST (a GenerationRequest) asks."""
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  line editing and history for input()
 
@@ -142,7 +146,7 @@ def chat(spec, options: dict, show_stats: bool, live: bool, hide_reasoning: bool
             continue
         history.append({"role": "user", "content": line})
         try:
-            answer = Answer(live, hide_reasoning).stream(spec, list(history), options)
+            answer = Answer(live, hide_reasoning).stream(spec, list(history), request)
         except MlxspecError as err:
             history.pop()
             print_error(str(err))

@@ -103,14 +103,16 @@ def stderr_console():
     return Console(stderr=True, highlight=False)
 
 
-def load_with_spinner(model, draft_model=None):
+def load_with_spinner(model, draft_model=None, prompt_cache_bytes: int | None = None):
     """``mlxspec.api.load(model, draft_model)`` under a "loading model…" spinner on a terminal
-    (nothing when stderr is piped: no escape codes in logs)."""
+    (nothing when stderr is piped: no escape codes in logs); PROMPT_CACHE_BYTES sizes the
+    prompt cache (None: the API's default)."""
     from ..api import load
 
+    sized = {} if prompt_cache_bytes is None else {"prompt_cache_bytes": prompt_cache_bytes}
     console = stderr_console()
     with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
-        return load(model, draft_model=draft_model)
+        return load(model, draft_model=draft_model, **sized)
 
 
 def print_stats(stats, table: bool) -> None:

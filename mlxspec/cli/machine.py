@@ -10,10 +10,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import app
-from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
 from ..config import user_config_path
 from ..errors import UsageError
+from .app import app
+from .console import (
+    complete_model,
+    help_text,
+    load_with_spinner,
+    print_note,
+    stderr_console,
+    stdout_console,
+    user_errors,
+)
 
 # -- the convert command -----------------------------------------------------
 
@@ -63,7 +71,8 @@ def convert(
                 on_step=(lambda message: status.update(message + "…")) if status else None)
         for note in result.notes:
             print_note(note)
-        trunk = f"{result.q_bits}-bit (group {result.q_group_size})" if result.q_bits else (result.dtype or "unquantized")
+        trunk = (f"{result.q_bits}-bit (group {result.q_group_size})" if result.q_bits
+                 else (result.dtype or "unquantized"))
         if result.head_kept:
             layers = f"{result.head_layers} layer{'s' * (result.head_layers != 1)}"
             bits = (f"{result.head_bits}-bit" if result.head_bits else
@@ -105,17 +114,12 @@ def tune(
     with user_errors():
         if max_tokens < 1:
             raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
-        from ..api import load
         from ..hub import expand_alias
         from ..tuning.measure import run_tune
         from .tune_report import render_tune_result
 
+        spec = load_with_spinner(expand_alias(model), expand_alias(draft_model))
         console = stderr_console()
-        if console.is_terminal:
-            with console.status("loading model…", spinner="dots"):
-                spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
-        else:
-            spec = load(expand_alias(model), draft_model=expand_alias(draft_model))
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -201,8 +205,7 @@ def pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
     console = stderr_console()
     if not console.is_terminal:
         return hub.pull(model, revision=revision, include_mtp=include_mtp)
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
                         TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False)

@@ -9,12 +9,32 @@ import typer
 
 from ..config import user_config_path
 from ..errors import UsageError
-from ..options import (DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P,
-                       DRAFTERS, MAX_DEPTH, MIN_DEPTH, check_choice, check_values)
+from ..options import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MIN_P,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    DRAFTERS,
+    MAX_DEPTH,
+    MIN_DEPTH,
+    check_choice,
+    check_values,
+)
 from .app import app
-from .console import (check_reasoning, complete_drafter, complete_model, complete_reasoning, demo_notice, help_text,
-                      load_with_spinner, print_stats, stderr_console, stdout_console, user_errors)
-
+from .console import (
+    check_reasoning,
+    complete_drafter,
+    complete_model,
+    complete_reasoning,
+    demo_notice,
+    help_text,
+    load_with_spinner,
+    print_stats,
+    stderr_console,
+    stdout_console,
+    user_errors,
+)
 
 # what the flags are called in error messages
 FLAG_LABELS = {"depth": "--depth", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
@@ -189,47 +209,49 @@ def run(
             prompt = _read_stdin()
         # each chat turn reuses the conversation so far (config prompt_cache_bytes)
         spec = _load(model, draft_model, given["prompt_cache_bytes"] if chat else None)
+        from ..api import GenerationRequest
         from ..reasoning import template_kwargs
 
-        options = dict(max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"],
-                       top_k=given["top_k"], min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth,
-                       system=system, raw=raw, template_kwargs=template_kwargs(given["reasoning"]),
-                       # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
-                       reuse=chat)
-        options.update(preset_options)
-        _answer(spec, prompt, options, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
+        request = GenerationRequest(
+            max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"], top_k=given["top_k"],
+            min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
+            template_kwargs=template_kwargs(given["reasoning"]),
+            # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
+            reuse=chat, **preset_options)
+        _answer(spec, prompt, request, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
                 no_stats=no_stats)
 
 
 def _load(model: Optional[str], draft_model: Optional[str], prompt_cache_size: Optional[str]):
     """The loaded model; its prompt cache sized to PROMPT_CACHE_SIZE when given (a chat)."""
-    spec = load_with_spinner(model, draft_model)
-    if spec.is_demo:
-        demo_notice(spec.name)
+    cache_bytes = None
     if prompt_cache_size is not None:
         from ..config import parse_bytes
 
-        spec.prompt_cache.max_bytes = parse_bytes(prompt_cache_size, "prompt_cache_bytes")
+        cache_bytes = parse_bytes(prompt_cache_size, "prompt_cache_bytes")
+    spec = load_with_spinner(model, draft_model, prompt_cache_bytes=cache_bytes)
+    if spec.is_demo:
+        demo_notice(spec.name)
     return spec
 
 
-def _answer(spec, prompt, options: dict, *, chat: bool, json_out: bool, hide_reasoning: bool,
-            no_stats: bool) -> None:
-    """One JSON object, the interactive chat, or one streamed answer and its stats."""
+def _answer(spec, prompt, request, *, chat: bool, json_out: bool, hide_reasoning: bool, no_stats: bool) -> None:
+    """One JSON object, the interactive chat, or one streamed answer and its stats; REQUEST is
+    the :class:`~mlxspec.api.GenerationRequest` of every answer."""
     from . import chat as cli_chat
 
     live = not no_stats and stdout_console().is_terminal and stderr_console().is_terminal
     if json_out:
         from ..reasoning import split
 
-        result = spec.generate(prompt, **options)
-        thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, options))
+        result = spec.generate(prompt, request=request)
+        thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, request))
         out = {**result.to_dict(), "text": text, "reasoning": None if hide_reasoning else thought or None}
         sys.stdout.write(json.dumps(out) + "\n")
     elif chat:
-        cli_chat.chat(spec, options, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)
+        cli_chat.chat(spec, request, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)
     else:
-        answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, options)
+        answer = cli_chat.Answer(live, hide_reasoning).stream(spec, prompt, request)
         if not no_stats:
             print_stats(answer.stats, table=live)
         if answer.interrupted:

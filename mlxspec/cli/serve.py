@@ -9,12 +9,28 @@ from typing import Annotated, Optional
 
 import typer
 
-from .app import app
-from .console import (check_reasoning, complete_drafter, complete_model, complete_reasoning, demo_notice, help_text,
-                      no_color, print_error, print_note, user_errors)
 from ..errors import UsageError
-from ..options import (DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DEFAULT_PORT,
-                       DEFAULT_PROMPT_CACHE_SIZE, DRAFTERS)
+from ..options import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS_CAP,
+    DEFAULT_PORT,
+    DEFAULT_PROMPT_CACHE_SIZE,
+    DRAFTERS,
+)
+from .app import app
+from .console import (
+    check_reasoning,
+    complete_drafter,
+    complete_model,
+    complete_reasoning,
+    demo_notice,
+    help_text,
+    no_color,
+    print_error,
+    print_note,
+    user_errors,
+)
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
 
@@ -145,8 +161,7 @@ def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: in
     from ..server.app import create_app
     from ..server.common import Settings
 
-    spec = load(model, draft_model=draft_model)
-    spec.prompt_cache.max_bytes = cache_bytes
+    spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
     if spec.is_demo:
         demo_notice(spec.name)
     return spec, create_app(spec, Settings(model_name=spec.name, **settings))

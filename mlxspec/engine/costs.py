@@ -16,7 +16,6 @@ import mlx.nn as nn
 from .cache import ModelState
 from .gates import CostModel
 
-
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # verify widths of depths 0-8, then sparser
 
 

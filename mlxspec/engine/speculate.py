@@ -42,26 +42,35 @@ class _Guess:
     logprobs: mx.array | None = None
 
 
-def make_drafter(
-    name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None
-) -> Drafter | None:
-    """``auto``: a draft model if given, else the model's own MTP head, else prompt lookup."""
+def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead | None) -> str:
+    """The drafter NAME stands for: ``auto`` is a draft model if given, else the model's own
+    MTP head, else prompt lookup; any other name is itself."""
     if name == "auto":
-        name = "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
+        return "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
+    return name
+
+
+def make_drafter(
+    name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None,
+    cost_per_token: float | None = None,
+) -> Drafter | None:
+    """The drafter NAME resolves to (:func:`resolve_drafter`); ``cost_per_token``, a measured
+    cost of one draft step, replaces the drafter's own estimate."""
+    name = resolve_drafter(name, draft_model, mtp_head)
     if name == "none":
         return None
     if name == "pld":
-        return PromptLookupDrafter()
+        return PromptLookupDrafter(cost_per_token=cost_per_token)
     if name == "draft":
         if draft_model is None:
             raise UsageError("--drafter draft needs --draft-model")
-        return DraftModelDrafter(draft_model, model_nbytes(target))
+        return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
     if name == "mtp":
         if mtp_head is None:
             raise DrafterError(
                 "this model has no MTP head; use --drafter pld, or --drafter draft with --draft-model"
             )
-        return MTPDrafter(mtp_head, model_nbytes(target))
+        return MTPDrafter(mtp_head, model_nbytes(target), cost_per_token)
     raise UsageError(f"unknown drafter {name!r}")
 
 
@@ -79,10 +88,13 @@ class SpeculativeDecoder:
         max_depth: int | None = None,
         gates: bool = True,
         cost: CostModel | None = None,
+        draft_cost: float | None = None,
     ):
+        """``cost``: the target's measured verify cost; ``draft_cost``: the measured cost of
+        one step of the drafter named by DRAFTER (a Drafter brings its own)."""
         self.model = model
         self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(
-            drafter, model, draft_model, mtp_head
+            drafter, model, draft_model, mtp_head, draft_cost
         )
         check_values({"depth": depth})
         self.depth = depth
@@ -117,9 +129,8 @@ class SpeculativeDecoder:
             raise UsageError(f"prefill_step must be at least 1 (got {prefill_step})")
         if seed is not None:
             mx.random.seed(seed)
-        run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens))
-        run.prefix_cache, run.checkpoints = prefix_cache, checkpoints
-        run.prefill_step, run.on_prefill = prefill_step, on_prefill
+        run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens), prefix_cache=prefix_cache,
+                   checkpoints=checkpoints, prefill_step=prefill_step, on_prefill=on_prefill)
         with wired_limit(self.model, [generation_stream]), mx.stream(generation_stream):
             yield from run.loop()
 
@@ -127,7 +138,9 @@ class SpeculativeDecoder:
 class _Run:
     """State of one request."""
 
-    def __init__(self, dec: SpeculativeDecoder, prompt, sampling, max_tokens, stop_tokens):
+    def __init__(self, dec: SpeculativeDecoder, prompt, sampling, max_tokens, stop_tokens, *,
+                 prefix_cache: PrefixCache | None = None, checkpoints: Sequence[int] = (),
+                 prefill_step: int = 2048, on_prefill: Callable[[int, int], None] | None = None):
         self.t0 = time.perf_counter()
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -160,10 +173,10 @@ class _Run:
         self.emitted = 0
         self.done = False
         self.t_first = self.t0
-        self.prefix_cache: PrefixCache | None = None
-        self.checkpoints: Sequence[int] = ()
-        self.prefill_step = 2048
-        self.on_prefill = None
+        self.prefix_cache = prefix_cache
+        self.checkpoints = checkpoints
+        self.prefill_step = prefill_step
+        self.on_prefill = on_prefill
 
     # -- output -----------------------------------------------------------------
     def _emit(self, new: list[int]) -> list[int]:

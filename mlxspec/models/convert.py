@@ -275,9 +275,9 @@ def convert_checkpoint(
     """Convert SOURCE (a folder or a cached repo id) into OUT, an mlx-lm checkpoint with the MTP
     head in ``OUT/mtp.safetensors``. ``q_bits`` None: no quantization; ``mtp_bits`` None: as
     ``q_bits``, 0: unquantized head. Raises :class:`MlxspecError` with a one-line message."""
+    from .attention_only import needs_norm_shift, shift_saved_norms
     from .loader import check_checkpoint, resolve_model
     from .mtp.weights import find_mtp_weights
-    from .attention_only import needs_norm_shift, shift_saved_norms
 
     step = on_step or (lambda _message: None)
     head_bits = _check_options(q_bits, q_group_size, dtype, mtp_bits)

@@ -194,17 +194,7 @@ def check_checkpoint(path: Path, name: str) -> dict:
     if not any(path.glob(_WEIGHTS_GLOB)):
         raise InvalidCheckpointError(f"model '{name}' ({path}) has no weights ({_WEIGHTS_GLOB} files)")
 
-    from ..compat import model_classes
-
-    try:
-        model_classes(config)
-    except ValueError:
-        import mlx_lm
-
-        raise InvalidCheckpointError(
-            f"model '{name}' has model_type '{config['model_type']}', "
-            f"which mlx-lm {mlx_lm.__version__} does not support"
-        ) from None
+    check_architecture(config, f"model '{name}'")
     return config
 
 

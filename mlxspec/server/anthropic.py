@@ -1,8 +1,8 @@
 """The Anthropic Messages surface: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
 Requests become chat-template messages (system, tool_use -> ``tool_calls``, tool_result -> ``tool``
-turns) and one :class:`GenerationRequest`; the answer is built from one event sequence, sent as
-SSE when ``stream`` is true and folded into a single message otherwise.
+turns) and one :class:`~mlxspec.server.common.SurfaceRequest`; the answer is built from one event
+sequence, sent as SSE when ``stream`` is true and folded into a single message otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +16,17 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..api import GenerationRequest
 from ..reasoning import ReasoningSplitter
-from .common import (APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started,
-                     template_overrides)
+from .common import (
+    APIError,
+    EventStream,
+    Outcome,
+    SurfaceRequest,
+    speculation_overrides,
+    started,
+    template_overrides,
+)
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -347,10 +355,10 @@ async def messages(body: MessagesBody, request: Request):
     _, omit_thinking = thinking_mode(body.thinking)
     points: list[int] = []
     ids, tools = prompt_ids(server, body, points)
-    gen = GenerationRequest(prompt_ids=ids, max_tokens=body.max_tokens, temperature=body.temperature,
-                            top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
-                            stop=[s for s in body.stop_sequences or [] if s], drafter=drafter, depth=depth,
-                            checkpoints=points)
+    generation = GenerationRequest(max_tokens=body.max_tokens, temperature=body.temperature,
+                                   top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
+                                   drafter=drafter, depth=depth, checkpoints=points)
+    gen = SurfaceRequest(prompt_ids=ids, generation=generation, stop=[s for s in body.stop_sequences or [] if s])
     outcome = Outcome()
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                "model": server.settings.model_name, "content": [], "stop_reason": None, "stop_sequence": None,

@@ -16,7 +16,6 @@ from .generation import Server
 from .middleware import BodyLimit, add_error_handlers, check_key_and_count
 
 
-
 def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
     app = FastAPI(title="mlxspec", version=_version(),
                   description="OpenAI- and Anthropic-compatible API over one model, with exact speculative decoding.")

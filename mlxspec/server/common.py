@@ -1,7 +1,7 @@
 """What the server's modules share: settings, the model they serve, requests and outcomes of a
 generation, errors and how each surface shapes them, and SSE response helpers.
 
-The OpenAI and Anthropic surfaces turn their requests into :class:`GenerationRequest` s and
+The OpenAI and Anthropic surfaces turn their requests into :class:`SurfaceRequest` s and
 stream the generation's text deltas back; nothing here knows either surface's request format.
 """
 
@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol
 from fastapi.responses import StreamingResponse
 
 from .. import reasoning
-from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MIN_DEPTH
+from ..api import Chunk, GenerationRequest
 from ..engine.stats import Stats
+from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MIN_DEPTH
 
 if TYPE_CHECKING:
-    from ..api import Chunk
     from ..engine.prefix_cache import PrefixCache
 
 
@@ -57,24 +57,18 @@ class ServedModel(Protocol):
     def reuse_points(self, prompt, prompt_ids: list[int], *, tools: list[dict] | None = None,
                      template_kwargs: dict | None = None) -> list[int]: ...
 
-    def stream(self, prompt, **options) -> Iterator[Chunk]: ...
+    def stream(self, prompt, request: GenerationRequest | None = None, **options) -> Iterator[Chunk]: ...
 
 
-@dataclass
-class GenerationRequest:
-    """What every surface asks of the model."""
+@dataclass(frozen=True)
+class SurfaceRequest:
+    """What a surface asks of the model: the prompt's token ids, how to generate (sampling,
+    speculation, where a later turn may reuse the caches: handed to ``SpecModel.stream`` as
+    is) and the stop strings the server cuts the text at."""
 
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
+    generation: GenerationRequest
     stop: list[str] = field(default_factory=list)
-    drafter: str = "auto"
-    depth: int | None = None
-    checkpoints: list[int] | None = None  # where a later turn may reuse the caches (prefix cache)
 
 
 @dataclass

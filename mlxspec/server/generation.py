@@ -12,7 +12,7 @@ from fastapi import Request
 
 from .. import reasoning
 from ..errors import MlxspecError
-from .common import APIError, GenerationRequest, Outcome, ServedModel, Settings
+from .common import APIError, Outcome, ServedModel, Settings, SurfaceRequest
 from .metrics import Metrics
 from .worker import QueueFull, Worker
 
@@ -83,17 +83,12 @@ class Server:
     def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
         return reasoning.starts_in_reasoning(self.spec.tokenizer, prompt_ids)
 
-    async def generate(self, request: Request, gen: GenerationRequest, outcome: Outcome) -> AsyncIterator[str]:
+    async def generate(self, request: Request, gen: SurfaceRequest, outcome: Outcome) -> AsyncIterator[str]:
         """Text deltas of one generation; OUTCOME is complete when the iterator ends."""
         if not gen.prompt_ids:
             raise APIError(400, "the prompt is empty")
-        kwargs = dict(prompt=gen.prompt_ids, max_tokens=gen.max_tokens, temperature=gen.temperature,
-                      top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p, seed=gen.seed,
-                      drafter=gen.drafter, depth=gen.depth)
-        if gen.checkpoints:
-            kwargs["checkpoints"] = gen.checkpoints
         try:
-            job = self.worker.submit(kwargs)
+            job = self.worker.submit(gen.prompt_ids, gen.generation)
         except QueueFull:
             raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
                            kind="overloaded_error", headers={"Retry-After": "1"}) from None
@@ -128,7 +123,7 @@ class Server:
             job.cancel()
             self._account(gen, outcome, time.perf_counter() - started)
 
-    def _account(self, gen: GenerationRequest, outcome: Outcome, seconds: float) -> None:
+    def _account(self, gen: SurfaceRequest, outcome: Outcome, seconds: float) -> None:
         """Count a finished generation in the metrics and log one line for it."""
         spec = outcome.speculation()
         self.metrics.count_generation(len(gen.prompt_ids), outcome.completion_tokens, spec["drafted"],

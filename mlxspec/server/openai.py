@@ -12,9 +12,17 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
+from ..api import GenerationRequest
 from ..options import MAX_SEED, REASONING_MODES
-from .common import (APIError, EventStream, GenerationRequest, Outcome, speculation_overrides, started,
-                     template_overrides)
+from .common import (
+    APIError,
+    EventStream,
+    Outcome,
+    SurfaceRequest,
+    speculation_overrides,
+    started,
+    template_overrides,
+)
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
@@ -135,7 +143,9 @@ def _template_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None) -> GenerationRequest:
+def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None,
+                checkpoints: list[int] | None = None) -> SurfaceRequest:
+    """The body's generation; CHECKPOINTS: where a later turn may reuse the caches."""
     if body.logprobs:  # the engine does not return per-token log-probabilities yet
         raise APIError(400, "logprobs are not supported by this server", param="logprobs")
     max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
@@ -144,12 +154,13 @@ def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int 
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
         raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
-    return GenerationRequest(prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=body.temperature,
-                             top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop=stop,
-                             drafter=drafter, depth=depth)
+    generation = GenerationRequest(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                   top_k=body.top_k, min_p=body.min_p, seed=body.seed, drafter=drafter, depth=depth,
+                                   checkpoints=checkpoints)
+    return SurfaceRequest(prompt_ids=prompt_ids, generation=generation, stop=stop)
 
 
-def _usage(gen: GenerationRequest, outcome: Outcome) -> dict:
+def _usage(gen: SurfaceRequest, outcome: Outcome) -> dict:
     return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": outcome.completion_tokens,
             "total_tokens": len(gen.prompt_ids) + outcome.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": outcome.cached_tokens},
@@ -213,8 +224,8 @@ async def chat_completions(body: ChatRequest, request: Request):
     prompt_ids = server.encode_chat(messages, tools, kwargs)
     in_reasoning = server.starts_in_reasoning(prompt_ids)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    gen = _generation(server, body, prompt_ids, max_tokens)
-    gen.checkpoints = server.reuse_points(messages, prompt_ids, tools, kwargs)
+    points = server.reuse_points(messages, prompt_ids, tools, kwargs)
+    gen = _generation(server, body, prompt_ids, max_tokens, checkpoints=points)
     outcome = Outcome()
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     deltas = server.generate(request, gen, outcome)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator
 
 if TYPE_CHECKING:
+    from ..api import GenerationRequest
     from .common import ServedModel
 
 _DONE = object()
@@ -25,7 +26,8 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    kwargs: dict  # SpecModel.stream arguments
+    prompt: list[int]  # token ids
+    request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -57,8 +59,8 @@ class Worker:
         """Requests waiting plus the one running."""
         return self.jobs.qsize() + int(self.busy)
 
-    def submit(self, kwargs: dict) -> Job:
-        job = Job(kwargs, asyncio.get_running_loop())
+    def submit(self, prompt: list[int], request: GenerationRequest) -> Job:
+        job = Job(prompt, request, asyncio.get_running_loop())
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -79,7 +81,7 @@ class Worker:
             self.busy = True
             stream = None
             try:
-                stream = self.spec.stream(**job.kwargs)
+                stream = self.spec.stream(prompt=job.prompt, request=job.request)
                 for chunk in stream:
                     if job.cancelled.is_set():
                         break

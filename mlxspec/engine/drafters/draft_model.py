@@ -41,13 +41,16 @@ class DraftModelDrafter(Drafter):
     name = "draft"
     uses_model = True
 
-    def __init__(self, model: nn.Module, target_nbytes: int | None = None):
+    def __init__(self, model: nn.Module, target_nbytes: int | None = None, cost_per_token: float | None = None):
         self.model = model
         self.state = ModelState(model)
         self.state.check_rollback()
-        # A forward streams every weight once, so cost relative to the target ~ bytes ratio,
-        # plus a fixed share for launch overhead that small models do not amortize.
-        if target_nbytes:
+        # Without a measured cost (`mlxspec tune`): a forward streams every weight once, so
+        # cost relative to the target ~ bytes ratio, plus a fixed share for launch overhead
+        # that small models do not amortize.
+        if cost_per_token is not None:
+            self.cost_per_token = cost_per_token
+        elif target_nbytes:
             self.cost_per_token = 0.05 + model_nbytes(model) / target_nbytes
         else:
             self.cost_per_token = 0.2

@@ -20,13 +20,16 @@ class MTPDrafter(Drafter):
     uses_model = True
     needs_hidden = True
 
-    def __init__(self, head: MTPHead, target_nbytes: int | None = None):
+    def __init__(self, head: MTPHead, target_nbytes: int | None = None, cost_per_token: float | None = None):
         self.head = head
-        # One draft step runs the head's block and an lm_head: the trunk's, unless the head
-        # ships its own (NextN shared_head.head, already counted in head.nbytes).
+        # Without a measured cost (`mlxspec tune`): one draft step runs the head's block and an
+        # lm_head: the trunk's, unless the head ships its own (NextN shared_head.head, already
+        # counted in head.nbytes).
         shared = getattr(getattr(head.module, "shared_head", None), "head", None) is None
         lm_bytes = model_nbytes(getattr(head.trunk.head, "__self__", head.trunk.head)) if shared else 0
-        if target_nbytes:
+        if cost_per_token is not None:
+            self.cost_per_token = cost_per_token
+        elif target_nbytes:
             self.cost_per_token = 0.05 + (head.nbytes + lm_bytes) / target_nbytes
         else:
             self.cost_per_token = 0.1

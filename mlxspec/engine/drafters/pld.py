@@ -17,9 +17,11 @@ class PromptLookupDrafter(Drafter):
     name = "pld"
     cost_per_token = 0.0
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, cost_per_token: float | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if cost_per_token is not None:  # measured (`mlxspec tune`); lookups are otherwise free
+            self.cost_per_token = cost_per_token
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._index: dict[tuple[int, ...], int] = {}

@@ -17,8 +17,6 @@ from mlx_lm.models.cache import KVCache
 
 from ..trunk import Trunk
 
-QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-
 
 def text_args(model: nn.Module):
     lm = getattr(model, "language_model", model)
