@@ -1,5 +1,5 @@
 """The ``mlxspec`` command line: the app, the shared console helpers, one module per command
-group (run and its chat, models and machine, bench, serve)."""
+group (run and its chat, models, machine, bench, serve)."""
 
 import os
 import sys
@@ -8,6 +8,7 @@ from ..errors import MlxspecError
 
 # each command module registers its commands on the app, in the order `--help` lists them
 from . import run  # isort: skip
+from . import models  # isort: skip
 from . import machine  # isort: skip
 from . import bench  # isort: skip
 from . import serve  # isort: skip
@@ -15,7 +16,7 @@ from ..options import DRAFTERS
 from .app import app
 from .console import DEBUG_ENV, print_error
 
-COMMAND_MODULES = (run, machine, bench, serve)  # imported for their commands, in --help's order
+COMMAND_MODULES = (run, models, machine, bench, serve)  # imported for their commands, in --help's order
 __all__ = ["DRAFTERS", "app", "main"]
 
 

@@ -77,7 +77,7 @@ def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
                 raise UsageError(f"'{ref}' is {repo}, not downloaded yet: run `mlxspec pull {ref}` or pass --yes")
             if not typer.confirm(f"'{ref}' is {repo}, not downloaded yet; download it now?", default=True):
                 raise typer.Exit(1)
-        from .machine import pull_with_progress
+        from .models import pull_with_progress
 
         pull_with_progress(repo, None, True)
     return repo

@@ -1,0 +1,212 @@
+"""Commands for the model cache and checkpoints: convert, pull, list, rm.
+
+They register on the one Typer app of :mod:`mlxspec.cli`, which imports this module.
+"""
+
+import contextlib
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import UsageError
+from .app import app
+from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
+
+# -- the convert command -----------------------------------------------------
+
+CONVERT_HELP = help_text("""
+Convert the Hugging Face checkpoint HF_PATH to MLX in OUT, keeping its MTP head.
+
+The trunk goes through mlx-lm's own converter (same weights, config and tokenizer files as
+`mlx_lm.convert`); the multi-token-prediction head that converter drops is written next to it
+as OUT/mtp.safetensors, which `mlxspec run OUT --drafter mtp` uses. HF_PATH is a local folder
+or a repo id already in the local Hugging Face cache (nothing is downloaded). A checkpoint
+without a head is converted all the same.
+""")
+
+
+@app.command(help=CONVERT_HELP)
+def convert(
+    hf_path: Annotated[str, typer.Argument(
+        metavar="HF_PATH", show_default=False,
+        help="Hugging Face checkpoint: a local folder or a cached repo id.")],
+    out: Annotated[str, typer.Argument(
+        metavar="OUT", show_default=False, help="Folder to write the MLX checkpoint to.")],
+    q_bits: Annotated[Optional[int], typer.Option(
+        "--q-bits", help="Quantize the trunk to this many bits (4 or 8; also 2, 3, 5, 6). "
+                         "Default: no quantization.", show_default=False)] = None,
+    q_group_size: Annotated[int, typer.Option(
+        "--q-group-size", help="Quantization group size: 32, 64 or 128.")] = 64,
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", help="bfloat16, float16 or float32 for the unquantized tensors "
+                        "(default: the checkpoint's own dtype, as mlx-lm picks it).",
+        show_default=False)] = None,
+    mtp_bits: Annotated[Optional[int], typer.Option(
+        "--mtp-bits", help="Bits for the MTP head's linear weights (default: as --q-bits); "
+                           "0 keeps the head unquantized.", show_default=False)] = None,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Replace OUT if it exists and is not empty.")] = False,
+) -> None:
+    with user_errors():
+        from ..models.convert import convert_checkpoint
+        from ..units import human_bytes
+
+        console = stderr_console()
+        status = console.status("starting…", spinner="dots") if console.is_terminal else None
+        with status if status else contextlib.nullcontext():
+            result = convert_checkpoint(
+                hf_path, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype,
+                mtp_bits=mtp_bits, force=force,
+                on_step=(lambda message: status.update(message + "…")) if status else None)
+        for note in result.notes:
+            print_note(note)
+        trunk = (f"{result.q_bits}-bit (group {result.q_group_size})" if result.q_bits
+                 else (result.dtype or "unquantized"))
+        if result.head_kept:
+            layers = f"{result.head_layers} layer{'s' * (result.head_layers != 1)}"
+            bits = (f"{result.head_bits}-bit" if result.head_bits else
+                    "as stored" if result.head_family == "nextn" else "unquantized")
+            head = f"MTP head kept ({layers}, {result.head_tensors} tensors, {bits}, mtp.safetensors)"
+        else:
+            head = "no MTP head"
+        sys.stdout.write(f"converted to {result.out} ({human_bytes(result.size_bytes)}, {trunk}); {head}\n")
+        sys.stdout.flush()
+
+
+# -- the pull, list and rm commands (model cache) ------------------------------
+
+PULL_HELP = help_text("""
+Download MODEL into the Hugging Face cache, where `mlxspec run`, mlx-lm and other tools find it.
+
+MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxspec list
+--catalog`). Only the files a model needs are fetched: weights, config, tokenizer, chat template
+and, unless --no-include-mtp, an MTP head sidecar. Files already cached are skipped, so running
+the command again after an interruption finishes the download. HF_HOME, HF_HUB_CACHE, HF_TOKEN,
+HF_ENDPOINT and HF_HUB_OFFLINE are honoured.
+""")
+
+
+def pull_with_progress(model: str, revision: Optional[str], include_mtp: bool):
+    from .. import hub
+
+    console = stderr_console()
+    if not console.is_terminal:
+        return hub.pull(model, revision=revision, include_mtp=include_mtp)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=False)
+    state = {"task": None}
+    repo_id = hub.to_repo_id(model)
+
+    def on_start(files: int, total: int) -> None:
+        if files:
+            state["task"] = progress.add_task(f"{repo_id} ({files} file{'s' * (files != 1)})", total=total or None)
+
+    def on_bytes(n: int) -> None:
+        if state["task"] is not None:
+            progress.advance(state["task"], n)
+
+    with progress:
+        status = progress.add_task("resolving…", total=None, visible=True)
+        progress.update(status, description=f"resolving {repo_id}…")
+        try:
+            return hub.pull(model, revision=revision, include_mtp=include_mtp,
+                            on_start=lambda f, t: (progress.remove_task(status), on_start(f, t)),
+                            on_bytes=on_bytes)
+        finally:
+            if status in progress.task_ids:
+                progress.remove_task(status)
+
+
+@app.command(help=PULL_HELP)
+def pull(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
+        help="Repo id (org/name) or catalog alias.")],
+    revision: Annotated[Optional[str], typer.Option(
+        "--revision", help="Branch, tag or commit to download (default: main).", show_default=False)] = None,
+    include_mtp: Annotated[bool, typer.Option(
+        "--include-mtp/--no-include-mtp", help="Also fetch an MTP head sidecar (mtp.safetensors, "
+                                               "mtp/*.safetensors, model-mtp.safetensors).")] = True,
+) -> None:
+    with user_errors():
+        from ..units import human_bytes
+
+        result = pull_with_progress(model, revision, include_mtp)
+        what = ("already in the cache" if result.already_cached else
+                f"downloaded {result.files} file{'s' * (result.files != 1)}, {human_bytes(result.downloaded_bytes)}")
+        pin = f"@{result.revision}" if result.revision != "main" else ""
+        sys.stdout.write(f"{result.repo_id}{pin}: {what} ({result.path})\n")
+        sys.stdout.flush()
+
+
+def _list_table(rows: list) -> None:
+    from rich.table import Table
+
+    table = Table(show_edge=False, pad_edge=False)
+    for column, justify in (("MODEL", "left"), ("SIZE", "right"), ("ARCH", "left"), ("QUANT", "left"),
+                            ("MTP", "left"), ("CONTEXT", "right")):
+        table.add_column(column, justify=justify, no_wrap=column != "MODEL")
+    for row in rows:
+        quant = row["quantization"]
+        table.add_row(row["repo_id"], row["size"], row["architecture"] or "?",
+                      f"{quant['bits']}-bit/g{quant['group_size']}" if quant else "-",
+                      "yes" if row["mtp"] else "-",
+                      f"{row['context_length']:,}" if isinstance(row["context_length"], int) else "?")
+    stdout_console().print(table)
+
+
+@app.command(name="list")
+def list_models(
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects.")] = False,
+    show_catalog: Annotated[bool, typer.Option(
+        "--catalog", help="List the aliases `mlxspec pull` knows instead of the cached models.")] = False,
+) -> None:
+    """List the models in the Hugging Face cache: size, architecture, quantization, MTP head, context."""
+    with user_errors():
+        from .. import hub
+
+        if show_catalog:
+            rows = [{"alias": e.alias, "repo_id": e.repo, "mtp": e.mtp, "draft": e.draft, "note": e.note}
+                    for e in hub.catalog().values()]
+            if json_out:
+                sys.stdout.write(json.dumps(rows) + "\n")
+            else:
+                for row in rows:
+                    extra = ", MTP head" if row["mtp"] else (f", draft: {row['draft']}" if row["draft"] else "")
+                    sys.stdout.write(f"{row['alias']:<14} {row['repo_id']}{extra}\n")
+            return
+        rows = hub.list_models()
+        if json_out:
+            sys.stdout.write(json.dumps(rows) + "\n")
+        elif not rows:
+            print_note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
+                  "download one with `mlxspec pull MODEL`")
+        else:
+            _list_table(rows)
+
+
+@app.command(name="rm")
+def remove_model(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", show_default=False, autocompletion=complete_model,
+        help="Cached repo id or catalog alias.")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Remove MODEL (every cached revision) from the Hugging Face cache."""
+    with user_errors():
+        from ..hub import plan_removal
+        from ..units import human_bytes
+
+        plan = plan_removal(model)
+        if not yes:
+            if not sys.stdin.isatty():
+                raise UsageError(f"removing {plan.repo_id} needs confirmation: pass --yes")
+            if not typer.confirm(f"remove {plan.repo_id} ({human_bytes(plan.freed_bytes)})?", default=False):
+                raise typer.Exit(1)
+        plan.execute()
+        sys.stdout.write(f"removed {plan.repo_id}, freed {human_bytes(plan.freed_bytes)}\n")
+        sys.stdout.flush()
