@@ -67,8 +67,9 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         check_choice("drafter", self.drafter, DRAFTERS)
-        check_values({"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                      "top_k": self.top_k, "min_p": self.min_p, "depth": self.depth})
+        check_values({"max_tokens": self.max_tokens})
+        self.sampling.validate()
+        check_values({"depth": self.depth})
 
     @property
     def sampling(self) -> SamplingParams:
