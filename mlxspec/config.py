@@ -151,6 +151,57 @@ def settings_with_sources(cli_values: dict | None = None) -> dict[str, tuple[obj
     return out
 
 
+# tables of the config file whose keys are the user's own names
+FREE_TABLES = ("aliases",)
+
+
+def unknown_keys(data: dict) -> list[str]:
+    """The dotted keys of a parsed config file that no setting reads (a typo, or an option's
+    command-line name), in the file's order."""
+    known = {dotted for *_, dotted in SETTINGS.values()}
+    tables = {dotted.split(".")[0] for dotted in known if "." in dotted} | set(FREE_TABLES)
+    out = []
+    for key, value in data.items():
+        if key in FREE_TABLES or (key in known and not isinstance(value, dict)):
+            continue
+        if key in tables and isinstance(value, dict):
+            out += [f"{key}.{sub}" for sub in value if f"{key}.{sub}" not in known]
+        else:
+            out.append(key)
+    return out
+
+
+def _close_key(key: str) -> str | None:
+    """The known key KEY was probably meant as: the same last part elsewhere, else a close spelling."""
+    import difflib
+
+    known = [dotted for *_, dotted in SETTINGS.values()]
+    leaf = key.rsplit(".", 1)[-1].replace("-", "_")
+    by_leaf = {dotted.rsplit(".", 1)[-1]: dotted for dotted in known}
+    synonyms = {"temperature": "temp", "model": "default_model"}  # what mlx-lm users call them
+    leaf = synonyms.get(leaf, leaf)
+    if leaf in by_leaf:
+        return by_leaf[leaf]
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.6)
+    return by_leaf[close[0]] if close else None
+
+
+def key_warnings() -> list[str]:
+    """One warning line per key of the config file that no setting reads, with the key it was
+    probably meant as. An unreadable file gives none: the commands that read it say why."""
+    try:
+        data = read_user_config()
+    except MlxspecError:
+        return []
+    path = user_config_path()
+    lines = []
+    for key in unknown_keys(data):
+        meant = _close_key(key)
+        hint = f"; did you mean '{meant}'?" if meant and meant != key else ""
+        lines.append(f"warning: unknown key '{key}' in {path} is ignored{hint}")
+    return lines
+
+
 def settings(cli_values: dict | None = None) -> dict:
     """The effective value of every setting (see :func:`settings_with_sources`)."""
     return {name: value for name, (value, _) in settings_with_sources(cli_values).items()}

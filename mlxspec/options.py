@@ -24,6 +24,10 @@ DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
 DEFAULT_MIN_P = 0.0
+# a temperature below this is greedy decoding: 1/temperature would scale the top token's
+# log-probability (>= -13 for any vocabulary under 440k) past float16's range and sampling
+# would draw from NaNs (5e-324 overflows every dtype); 1e-3 leaves a 5x margin
+GREEDY_TEMPERATURE = 1e-3
 DEFAULT_MAX_TOKENS = 512  # one answer of `mlxspec run` (the config file's default too)
 API_DEFAULT_MAX_TOKENS = 256  # SpecModel.generate / stream
 MAX_SEED = 2**63 - 1  # the largest seed mx.random.seed takes
@@ -37,6 +41,17 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
 DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
+DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SIGTERM, then cancelled
+
+# the command-line names of `mlxspec run`'s options (bench shares --temp): the first is the one
+# messages use; the others are what mlx-lm (mlx_lm.generate) and llm users type
+FLAGS = {
+    "model": ("--model", "-m"),
+    "temperature": ("--temp", "--temperature"),
+    "max_tokens": ("--max-tokens", "-n"),
+    "system": ("--system", "--system-prompt"),
+    "raw": ("--raw", "--ignore-chat-template"),
+}
 
 # option: (whether a value is allowed, what it must be); the second reads after "must be"
 LIMITS = {

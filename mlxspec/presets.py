@@ -12,7 +12,9 @@ off       none      -          off    plain decoding, no speculation
 ========  ========  =========  =====  =====================================================
 
 ``max_depth`` caps the adaptive depth (the gates pick the depth per step from measured
-acceptance and this machine's verify cost); ``gates`` turns that adaptive on/off switching on.
+acceptance and this machine's verify cost; a depth ``mlxspec tune`` chose lowers the cap);
+``gates`` turns that adaptive on/off switching on. ``auto`` runs the engine's own ``auto``
+drafter, which picks as :func:`choose` does unless a tune record rated another drafter faster.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import hardware
-from .errors import MlxspecError, UsageError
+from .errors import MlxspecError, ModelNotFoundError, UsageError
 from .hardware import Profile
 from .options import DEFAULT_MAX_DEPTH, check_choice
 from .units import human_bytes
@@ -86,7 +88,11 @@ def model_caps(model: str | None, draft_model: str | None = None, look_for_mtp: 
     path, name, _ = resolve_model(model)
     caps = ModelCaps(name=name, model_bytes=folder_bytes(path))
     if draft_model is not None:
-        dpath, caps.draft_name, _ = resolve_model(draft_model)
+        try:
+            dpath, caps.draft_name, _ = resolve_model(draft_model)
+        except ModelNotFoundError as err:  # say which of the two models
+            text = str(err)
+            raise ModelNotFoundError(f"draft {text}" if text.startswith("model ") else f"draft model: {text}") from None
         caps.draft_bytes = folder_bytes(dpath)
     if not look_for_mtp:
         caps.mtp_why_not = "not looked for"
@@ -215,10 +221,14 @@ def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: s
         if drafter_given:
             if drafter != chosen.drafter:
                 notes.append(f"note: --drafter {drafter} overrides preset {chosen.name}'s drafter {chosen.drafter}")
+        elif preset == "auto":
+            # the engine's auto picks what choose() did (draft model kept, else MTP head, else
+            # prompt lookup), unless `mlxspec tune` rated another drafter faster on this machine
+            drafter = "auto"
+            if chosen.drafter != "draft":
+                draft_model = None  # refused (or not needed): do not load it
         else:
-            if chosen.max_depth:
+            if chosen.max_depth:  # a cap: a depth `mlxspec tune` chose below it is kept
                 options["max_depth"] = chosen.max_depth
             drafter = chosen.drafter
-            if chosen.drafter != "draft" and preset == "auto":
-                draft_model = None  # refused (or not needed): do not load it
     return RunPlan(drafter, draft_model, options, notes, profile, load_bytes)

@@ -13,10 +13,13 @@ from rich.text import Text
 from .engine.stats import Stats
 
 
-def status_text(stats: Stats | None, prefill: tuple[int, int] | None = None) -> Text:
+def status_text(stats: Stats | None, prefill: tuple[int, int] | None = None, status: str | None = None) -> Text:
     """One line: speed, acceptance, drafter, depth and whether the gate has speculation on;
-    before the first token, how much of the prompt is prefilled."""
+    before the first token, the step under way (STATUS, e.g. measuring costs) or how much of
+    the prompt is prefilled."""
     if stats is None or stats.generated_tokens == 0:
+        if status and not prefill:
+            return Text(f"{status}…", style="dim", no_wrap=True, overflow="ellipsis")
         if prefill and prefill[1]:
             done, total = prefill
             return Text(f"prefilling {done}/{total} prompt tokens ({done / total:.0%})…", style="dim", no_wrap=True)
@@ -50,12 +53,23 @@ def stats_line(stats: Stats) -> str:
         + (f" ({stats.cached_tokens} reused)" if stats.cached_tokens else ""),
         f"ttft {stats.ttft_s:.2f}s",
     ]
-    if stats.drafter == "none":
+    off = speculation_off(stats)
+    if off:
+        parts.append(off)
+    elif stats.drafter == "none":
         parts.append("drafter none")
     else:
         parts.append(f"{stats.drafter} depth {stats.depth}")
         parts.append(f"accepted {stats.accepted}/{stats.drafted} ({stats.acceptance:.0%})")
     return " · ".join(parts)
+
+
+def speculation_off(stats: Stats) -> str | None:
+    """"speculation off (reason)" when nothing was drafted because a gate kept speculation off
+    (or the model cannot roll back), else None."""
+    if stats.drafted or not stats.gate_events or stats.gate_events[-1].enabled:
+        return None
+    return f"speculation off ({stats.gate_events[-1].reason})"
 
 
 def stats_table(stats: Stats) -> Table:
@@ -71,7 +85,10 @@ def stats_table(stats: Stats) -> Table:
         ("first token", f"{stats.ttft_s:.3f} s"),
         ("drafter", f"{stats.drafter} (depth {stats.depth})"),
     ]
-    if stats.drafter != "none":
+    off = speculation_off(stats)
+    if off:  # nothing was drafted: no acceptance to show, only why
+        rows.append(("speculation", off.removeprefix("speculation ")))
+    elif stats.drafter != "none":
         rows += [
             ("accepted", f"{stats.accepted}/{stats.drafted} drafted tokens ({stats.acceptance:.1%})"),
             ("tokens per verify", f"{stats.mean_accepted_length:.2f}"),
@@ -103,6 +120,7 @@ class StreamView:
         self.partial = Text()  # styled: reasoning is dimmed
         self.stats: Stats | None = None
         self.prefilled: tuple[int, int] | None = None  # (done, total) prompt tokens
+        self.step: str | None = None  # a slow step before the first token (SpecModel.stream's on_status)
         self.min_refresh_s = min_refresh_s
         self._last_refresh = 0.0
         self.live = Live(console=console, transient=True, auto_refresh=False,
@@ -129,6 +147,11 @@ class StreamView:
             self.console.print(head)
         self._refresh()
 
+    def status(self, label: str) -> None:
+        """A step before the first token begins (SpecModel.stream's on_status): named in the status line."""
+        self.step = label
+        self._refresh(force=True)
+
     def prefill(self, done: int, total: int) -> None:
         """Progress of the prompt's prefill (SpecModel.stream's on_prefill)."""
         self.prefilled = (done, total)
@@ -138,7 +161,8 @@ class StreamView:
         now = time.perf_counter()
         if force or now - self._last_refresh >= self.min_refresh_s:
             self._last_refresh = now
-            self.live.update(Group(self.partial.copy(), status_text(self.stats, self.prefilled)), refresh=True)
+            self.live.update(Group(self.partial.copy(), status_text(self.stats, self.prefilled, self.step)),
+                             refresh=True)
 
     def close(self) -> None:
         """Remove the status line and leave the text, ending with a newline."""

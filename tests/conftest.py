@@ -7,6 +7,13 @@ import tiny
 SHARED_VOCAB = 512
 
 
+@pytest.fixture(autouse=True)
+def _tune_records_apart(tmp_path_factory, monkeypatch):
+    """Every test stores and reads tune records (a run stores the verify-cost curve it measured)
+    in a folder of its own, never the user's: MLXSPEC_TUNE_DIR, which child processes inherit."""
+    monkeypatch.setenv("MLXSPEC_TUNE_DIR", str(tmp_path_factory.mktemp("tune")))
+
+
 @pytest.fixture(scope="session")
 def shared_tokenizer(tmp_path_factory):
     """Byte-level BPE (512 tokens) shared by every model that must be draft-compatible."""

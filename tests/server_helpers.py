@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -19,7 +19,7 @@ def _free_port() -> int:
 @contextmanager
 def running(app, timeout: float = 30.0):
     """Yield the base URL (``http://127.0.0.1:PORT``) of APP served by uvicorn; stop it after."""
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # not the main thread (older uvicorn calls this)

@@ -180,9 +180,11 @@ class FakeSpecModel:
     def stream(self, prompt, request, **options):
         from mlxspec.api import Chunk, GenerationRequest
 
-        # the request's fields the CLI set (those not at their defaults), as keyword arguments
+        # the request's fields the CLI set (those not at their defaults), as keyword arguments;
+        # callbacks (on_note...) are left out
         default = GenerationRequest()
-        self.calls.append((prompt, {k: v for k, v in vars(request).items() if v != getattr(default, k)} | options))
+        self.calls.append((prompt, {k: v for k, v in vars(request).items()
+                                    if v != getattr(default, k) and not callable(v)} | options))
         stats = Stats(drafter="pld", depth=4, prompt_tokens=3, generated_tokens=2)
 
         yield Chunk(text="fake ", tokens=[1], stats=stats)

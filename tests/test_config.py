@@ -74,7 +74,7 @@ def test_run_uses_the_settings(cfg, monkeypatch):
     monkeypatch.setattr("mlxspec.api.load", lambda *a, **k: Fake())
     cfg.write_text('drafter = "pld"\n[sampling]\ntemp = 0.5\ntop_k = 20\nmax_tokens = 64\n')
     monkeypatch.setenv("MLXSPEC_TEMP", "0.7")
-    res = CliRunner().invoke(cli.app, ["run", "./m", "hi", "--json", "--max-tokens", "8"])
+    res = CliRunner().invoke(cli.app, ["run", "m", "hi", "--json", "--max-tokens", "8"])
     assert res.exit_code != 0 and "stop here" in res.stderr, res.output
     assert seen["max_tokens"] == 8 and seen["temperature"] == 0.7
     assert seen["top_k"] == 20 and seen["drafter"] == "pld" and seen["top_p"] == 1.0
@@ -113,3 +113,16 @@ def test_preset_from_the_file_reaches_run(cfg, monkeypatch):
     CliRunner().invoke(cli.app, ["run", "./m", "hi"])
     CliRunner().invoke(cli.app, ["run", "./m", "hi", "--preset", "mtp"])
     assert seen == ["pld", "mtp"]
+
+
+def test_a_mistyped_key_gets_a_warning_naming_it(cfg):
+    cfg.write_text('drafter = "pld"\nmax_tokens = 64\n[sampling]\ntemperature = 0.5\n[server]\nport = 9000\n'
+                   '[aliases]\nanything = "some/repo"\n')
+    res = CliRunner().invoke(cli.app, ["config", "show", "--json"])
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2 and all(str(cfg) in line for line in warnings), res.stderr
+    top, sampling = sorted(warnings, key=lambda line: "sampling.temperature" in line)
+    assert "'max_tokens'" in top and "sampling.max_tokens" in top
+    assert "'sampling.temperature'" in sampling and "sampling.temp'" in sampling
+    assert config.unknown_keys({"sampling": {"temp": 1}, "aliases": {"x": "y"}, "server": {"host": "h"}}) == []

@@ -200,5 +200,6 @@ def test_the_wheel_holds_the_product_only(tmp_path):
     (wheel,) = tmp_path.glob("mlxspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "mlxspec/engine/speculate.py" in names and "mlxspec/assets/demo/model.safetensors" in names
+    assert "mlxspec/bench/workloads/echo.jsonl" in names  # `mlxspec bench` without a checkout
     assert not [n for n in names if n.startswith("tests/") or n.split("/")[-1] in ("tiny.py", "tiny_mtp.py",
                                                                                   "conftest.py", "gdn_grad.py")]

@@ -108,14 +108,14 @@ def test_a_trimmable_entry_replaces_the_prefixes_it_covers_and_the_budget_evicts
     cache.store([8, 8, 8], _snap(3, trimmable=False))
     assert len(cache) == 3  # recurrent snapshots at different points are all kept
 
-    small = PrefixCache(max_bytes=40)  # 4 bytes per token in these fakes
+    small = PrefixCache(max_bytes=120)  # 12 bytes per token: 4 of cache in these fakes, 8 of token id
     small.store([1] * 4, _snap(4))
     small.store([2] * 4, _snap(4))
     small.lookup([1] * 5, limit=4)  # 1s now most recent
     small.store([3] * 4, _snap(4))
     assert small.lookup([2] * 5, limit=4) is None and small.lookup([1] * 5, limit=4) is not None
     small.store([4] * 20, _snap(20))  # bigger than the whole budget: not kept
-    assert small.lookup([4] * 21, limit=20) is None and small.nbytes <= 40
+    assert small.lookup([4] * 21, limit=20) is None and small.nbytes <= 120
     off = PrefixCache(0)
     off.store([1, 2], _snap(2))
     assert len(off) == 0
@@ -327,7 +327,7 @@ def test_a_smaller_budget_evicts_at_once_and_zero_empties_the_cache():
     cache = PrefixCache(1 << 20)
     for i in range(3):
         cache.store([i] * 4, _snap(4))
-    cache.max_bytes = 32
+    cache.max_bytes = 96  # two entries of 4 tokens (4 + 8 bytes each)
     assert len(cache) == 2 and cache.lookup([0] * 5, limit=4) is None
     cache.max_bytes = 0
     assert len(cache) == 0 and cache.lookup([2] * 5, limit=4) is None

@@ -139,8 +139,9 @@ def test_run_preset_auto_drops_a_refused_draft_model(fake_load, tiny_qwen3, tiny
                                           "--draft-model", str(tiny_qwen3_draft)])
     assert result.exit_code == 0, result.output
     model_ref, draft_ref, spec = fake_load[-1]
-    assert draft_ref is None and spec.calls[0]["drafter"] == "pld"
-    assert "refused" in result.stderr and "RAM" in result.stderr
+    # the engine's auto, without the refused draft model, picks prompt lookup as the preset did
+    assert draft_ref is None and spec.calls[0]["drafter"] == "auto" and "max_depth" not in spec.calls[0]
+    assert "refused" in result.stderr and "RAM" in result.stderr and "preset auto -> pld" in result.stderr
 
 
 def test_run_warns_before_loading_a_model_larger_than_memory(fake_load, tiny_llama, monkeypatch):

@@ -421,7 +421,7 @@ def test_run_json_and_reasoning_flag(fake):
     assert json.loads(run("--json", "--hide-reasoning").stdout)["reasoning"] is None
     spec = fake("Hello!")
     assert json.loads(run("--json", "--reasoning", "off").stdout) | {"stats": 0} == {
-        "text": "Hello!", "reasoning": None, "tokens": [1], "stats": 0}
+        "model": "fake", "text": "Hello!", "reasoning": None, "finish_reason": None, "tokens": [1], "stats": 0}
     run("--reasoning", "on")
     assert spec.calls[-1][1]["template_kwargs"] == {"enable_thinking": True}
     run(env={"MLXSPEC_REASONING": "off"})

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
-from ..options import DRAFTERS, MAX_DEPTH, MIN_DEPTH, check_values
+from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, check_values
 from .app import app
 from .console import (
     complete_model,
@@ -22,7 +22,14 @@ from .console import (
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
 DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
-DEFAULT_WORKLOADS = "benchmarks/workloads"
+
+
+def builtin_workloads(package: Path = Path(__file__).resolve().parents[1]) -> Path:
+    """The built-in prompt sets: one copy, benchmarks/workloads, installed as mlxspec/bench/workloads."""
+    installed = package / "bench" / "workloads"
+    return installed if installed.is_dir() else package.parent / "benchmarks" / "workloads"
+
+
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype casts the loaded models to
 QUANT_BITS = (0, 2, 3, 4, 5, 6, 8)  # --bits of the random-weight models; 0 is bf16
 
@@ -37,16 +44,17 @@ cannot roll back linear-attention layers), and mlxspec-none, -pld, -draft (needs
 --draft-model), -mtp (needs an MTP head in MODEL) and -auto. An engine that cannot run with
 these models is reported as skipped, with the reason.
 
-A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line;
-prompts are raw text (no chat template), tokenized once and given as the same token ids to
-every engine. After one warm-up run of each engine, the engines run interleaved: for each
-repetition, each prompt, each engine. Reported per workload and engine, median over the
-repetitions: decode tok/s (tokens after the first / time from the first to the last token),
-speedup over mlx-lm, acceptance and tokens per verify (mlx-lm-draft: from its from_draft
-flags; its acceptance is not observable), the share of tokens that came from drafts, time to
-first token, peak memory (MLX's, all loaded weights included) and whether the tokens are
-identical to mlx-lm's at temperature 0. A second pass at --temperature (seeded per prompt,
-the same seed for every engine) measures the speculative engines under sampling.
+A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line (the
+built-in sets, echo, completion, novel, toolcall, are cut from held-out source files); prompts
+are raw text (no chat template), tokenized once and given as the same token ids to every engine.
+After one warm-up run of each engine, the engines run interleaved: for each repetition, each
+prompt, each engine. Reported per workload and engine, median over the repetitions: decode
+tok/s (tokens after the first / time from the first to the last token), speedup over mlx-lm,
+acceptance and tokens per verify (mlx-lm-draft: from its from_draft flags; its acceptance is
+not observable), the share of tokens that came from drafts, time to first token, peak memory
+(MLX's, all loaded weights included) and whether the tokens are identical to mlx-lm's at
+temperature 0. A second pass at --temp (seeded per prompt, the same seed for every engine)
+measures the speculative engines under sampling.
 
 --chat: a conversation of token ids (no tokenizer, no template) on MODEL, or on random-weight
 models of --chat-shapes: user blocks of pseudo-random ids (fixed seed) and the model's own
@@ -123,8 +131,8 @@ DraftModelOption = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="PATH_OR_REPO", show_default=False,
     help=f"Draft model sharing MODEL's tokenizer, for mlx-lm-draft and mlxspec-draft (default: "
          f"{DEFAULT_DRAFT} when MODEL is the default and that folder exists).")]
-WorkloadsDirOption = Annotated[str, typer.Option(
-    "--workloads-dir", metavar="DIR", help="Folder of NAME.jsonl prompt sets.")]
+WorkloadsDirOption = Annotated[Optional[str], typer.Option("--workloads-dir", metavar="DIR", show_default=False,
+                              help="Folder of NAME.jsonl prompt sets. \\[default: the built-in sets]")]
 WorkloadsOption = Annotated[Optional[str], typer.Option(
     "--workloads", metavar="NAMES", show_default=False,
     help="Comma-separated workload names, e.g. echo,completion (default: every .jsonl in DIR).")]
@@ -152,9 +160,9 @@ GatesOption = Annotated[bool, typer.Option(
                                "pay (as `run` does); --no-gates drafts at every step, to see "
                                "the drafters' acceptance apart from the gates' decisions.")]
 TemperatureOption = Annotated[float, typer.Option(
-    "--temperature", metavar="T", help="Temperature of the second (sampling) pass.")]
+    *FLAGS["temperature"], metavar="T", help="Temperature of the second (sampling) pass (--temp or --temperature).")]
 TempPassOption = Annotated[bool, typer.Option(
-    "--temp-pass/--no-temp-pass", help="Run the second pass at --temperature (mlx-lm and the "
+    "--temp-pass/--no-temp-pass", help="Run the second pass at --temp (mlx-lm and the "
                                        "engines that draft), after the temperature-0 pass.")]
 SeedOption = Annotated[int, typer.Option(
     "--seed", help="Seed of the sampling pass: prompt i of every engine starts from seed + i.")]
@@ -231,7 +239,7 @@ KernelsOffOption = Annotated[bool, typer.Option(
 def bench(
     model: ModelArgument = None,
     draft_model: DraftModelOption = None,
-    workloads_dir: WorkloadsDirOption = DEFAULT_WORKLOADS,
+    workloads_dir: WorkloadsDirOption = None,
     workloads: WorkloadsOption = None,
     prompts: PromptsOption = None,
     max_tokens: MaxTokensOption = None,
@@ -306,7 +314,8 @@ def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens)
     """The flags every benchmark shares, checked before anything is built or loaded."""
     _check(reps is None or reps >= 1, f"--reps must be at least 1, got {reps}")
     check_values({"depth": draft_depth}, {"depth": "--draft-depth"})
-    check_values({"depth": depth, "temperature": temperature}, {"depth": "--depth", "temperature": "--temperature"})
+    check_values({"depth": depth, "temperature": temperature},
+                 {"depth": "--depth", "temperature": FLAGS["temperature"][0]})
     _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
     check_values({"max_tokens": max_tokens}, {"max_tokens": "--max-tokens"})
 
@@ -381,7 +390,7 @@ def _run_engines(model, draft_model, dtype, *, workloads_dir, workloads, prompts
     from ..bench.report import bench_document, write_json
 
     chosen = parse_engines(engines)
-    sets = load_workloads(workloads_dir, parse_list(workloads, "workloads"), prompts, max_tokens)
+    sets = load_workloads(workloads_dir or builtin_workloads(), parse_list(workloads, "workloads"), prompts, max_tokens)
     if model is None:
         _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id): "
                                        f"there is no {DEFAULT_MODEL} in this folder")

@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from ..errors import MlxspecError
-from .console import print_error, print_note, print_stats, stdout_console
+from .console import print_error, print_note, print_stats, replaced_note, stdout_console, valid_text
 
 
 def starts_in_reasoning(spec, prompt, request) -> bool:
@@ -49,8 +49,8 @@ class Answer:
         splitter = ReasoningSplitter(in_reasoning)
         self._open_tag = in_reasoning and not self.hide  # the prompt wrote it; piped text shows it
         view = StreamView(stdout_console()) if self.live else None
-        if view:  # a long prompt's prefill shows its progress in the status line
-            request = replace(request, on_prefill=view.prefill)
+        if view:  # a long prompt's prefill, or a step before it, shows in the status line
+            request = replace(request, on_prefill=view.prefill, on_status=view.status)
         chunks = spec.stream(prompt, request=request)
         try:
             with view if view else contextlib.nullcontext():
@@ -108,54 +108,140 @@ class Answer:
             self._tail = text[-1]
 
 
-CHAT_HELP = "commands: /reset (forget the conversation), /stats (last answer's stats), /exit (or Ctrl-D)"
+CHAT_HELP = "/help lists the commands; /exit or Ctrl-D quits"
+CHAT_COMMANDS = """commands:
+  /help            this list
+  /reset, /clear   forget the conversation
+  /stats           the last answer's stats
+  /exit, /bye      quit (or Ctrl-D; Ctrl-C twice at an empty prompt)
+  \"\"\"              start a multi-line message; end it with \"\"\"
+Ctrl-C stops an answer. A conversation longer than the model's context drops its oldest turns."""
+
+
+def read_message(ask=None) -> str:
+    """One message from the user: a line, or the lines between \"\"\" and \"\"\" (ollama's
+    multi-line input); text that was not UTF-8 replaced, with a note."""
+    ask = ask or input  # looked up now: a test may replace it
+    line = ask(">>> ")
+    if line.lstrip().startswith('"""'):
+        text = line.lstrip()[3:]
+        lines = []
+        while not text.rstrip().endswith('"""'):
+            lines.append(text)
+            text = ask("... ")
+        lines.append(text.rstrip()[:-3])
+        line = "\n".join(lines).strip("\n")
+    line, replaced = valid_text(line)
+    if replaced:
+        print_note(replaced_note("that message"))
+    return line
+
+
+def fit_context(spec, history: list[dict], request) -> int:
+    """Drop the oldest exchanges (a user message and its answer) until the conversation leaves
+    room for an answer in the model's context; returns how many were dropped. A last message
+    too long on its own is left to the API, which refuses it."""
+    limit = getattr(getattr(spec, "target", None), "context_length", None)
+    if not limit:
+        return 0
+
+    def tokens(messages) -> int:
+        return len(spec.encode(messages, system=request.system, raw=request.raw, tools=request.tools,
+                               template_kwargs=request.template_kwargs))
+
+    room = max(1, min(request.max_tokens, limit // 4))
+    if tokens(history[-1:]) + room > limit:
+        return 0
+    dropped = 0
+    while len(history) > 2 and tokens(history) + room > limit:
+        del history[:2]
+        dropped += 1
+    return dropped
+
+
+class ChatState:
+    """What the chat keeps between turns."""
+
+    def __init__(self):
+        self.history: list[dict] = []
+        self.last_stats = None
+        self.interrupted = False  # Ctrl-C at the prompt once: a second one quits
+
+
+def _command(command: str, state: ChatState) -> bool:
+    """Run a /command; False when it asks to quit."""
+    name = command.split()[0]
+    if name in ("/exit", "/quit", "/bye"):
+        return False
+    if name in ("/reset", "/clear"):
+        state.history.clear()
+        print_note("conversation cleared")
+    elif name in ("/help", "/?"):
+        print_note(CHAT_COMMANDS)
+    elif name == "/stats":
+        if state.last_stats is None:
+            print_note("no answer yet")
+        else:
+            print_stats(state.last_stats, table=True)
+    else:
+        print_note(f"unknown command {name}; {CHAT_HELP}")
+    return True
+
+
+def _turn(spec, request, state: ChatState, line: str, live: bool, hide_reasoning: bool):
+    """One exchange: the conversation fitted to the context, the answer streamed; its Answer,
+    or None when the API refused the message."""
+    state.history.append({"role": "user", "content": line})
+    dropped = fit_context(spec, state.history, request)
+    if dropped:
+        print_note(f"note: the conversation outgrew {spec.name}'s context: dropped the oldest "
+                   f"{dropped} exchange{'s' * (dropped != 1)} (/reset starts over)")
+    try:
+        answer = Answer(live, hide_reasoning).stream(spec, list(state.history), request)
+    except MlxspecError as err:
+        state.history.pop()
+        print_error(str(err))
+        return None
+    if answer.interrupted:
+        print_note("[stopped]")
+    # a stopped answer stays in the history: it is what the user saw. Only the answer:
+    # chat templates drop past turns' reasoning anyway
+    state.history.append({"role": "assistant", "content": answer.text})
+    state.last_stats = answer.stats or state.last_stats
+    return answer
 
 
 def chat(spec, request, show_stats: bool, live: bool, hide_reasoning: bool = False) -> None:
-    """Interactive chat: history kept across turns, Ctrl-C stops an answer, Ctrl-D quits; every
-    answer as REQUEST (a GenerationRequest) asks."""
+    """Interactive chat: history kept across turns, Ctrl-C stops an answer (twice at the prompt:
+    quits), Ctrl-D quits; every answer as REQUEST (a GenerationRequest) asks."""
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  line editing and history for input()
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # bytes that are not UTF-8: replaced later
+        sys.stdin.reconfigure(errors="surrogateescape")
 
     print_note(f"chatting with {spec.name}; {CHAT_HELP}")
-    history: list[dict] = []
-    last_stats = None
+    state = ChatState()
     while True:
         try:
-            line = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
+            line = read_message()
+        except EOFError:
             print_note("")
             return
+        except KeyboardInterrupt:
+            print_note("")
+            if state.interrupted:
+                return
+            state.interrupted = True
+            print_note("(Ctrl-C again, Ctrl-D or /exit quits)")
+            continue
+        state.interrupted = False
         command = line.strip()
         if not command:
             continue
-        if command in ("/exit", "/quit", "/bye"):
-            return
-        if command == "/reset":
-            history.clear()
-            print_note("conversation cleared")
+        if command.startswith("/") and "\n" not in command:
+            if not _command(command, state):
+                return
             continue
-        if command == "/stats":
-            if last_stats is None:
-                print_note("no answer yet")
-            else:
-                print_stats(last_stats, table=True)
-            continue
-        if command.startswith("/"):
-            print_note(f"unknown command {command.split()[0]}; {CHAT_HELP}")
-            continue
-        history.append({"role": "user", "content": line})
-        try:
-            answer = Answer(live, hide_reasoning).stream(spec, list(history), request)
-        except MlxspecError as err:
-            history.pop()
-            print_error(str(err))
-            continue
-        if answer.interrupted:
-            print_note("[stopped]")
-        # a stopped answer stays in the history: it is what the user saw. Only the answer:
-        # chat templates drop past turns' reasoning anyway
-        history.append({"role": "assistant", "content": answer.text})
-        last_stats = answer.stats or last_stats
-        if show_stats:
+        answer = _turn(spec, request, state, line, live, hide_reasoning)
+        if answer is not None and show_stats:
             print_stats(answer.stats, table=False)

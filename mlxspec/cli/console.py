@@ -5,6 +5,7 @@ import contextlib
 import functools
 import os
 import sys
+from pathlib import Path
 
 import typer
 
@@ -103,16 +104,104 @@ def stderr_console():
     return Console(stderr=True, highlight=False)
 
 
+def quiet_libraries() -> None:
+    """Keep third-party warnings off stderr (transformers' notes on rope_parameters, "Token
+    indices sequence length ..."): mlxspec says what matters in its own lines. $MLXSPEC_DEBUG
+    keeps them."""
+    if os.environ.get(DEBUG_ENV):
+        return
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is imported
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()  # already imported (the API, the tests)
+
+
+@contextlib.contextmanager
+def model_errors(model, draft_model=None):
+    """A model or draft model that names nothing fails with one line saying which, the cached
+    model it is closest to, and how to download it (:func:`missing_model_message`)."""
+    from ..errors import ModelNotFoundError
+
+    try:
+        yield
+    except ModelNotFoundError as err:
+        text = str(err)
+        what, ref = ("draft model", draft_model) if text.startswith("draft model") else ("model", model)
+        better = missing_model_message(ref, what) if ref is not None else None
+        if better is None:
+            raise
+        raise ModelNotFoundError(better) from None
+
+
+def cached_repo_ids() -> list[str]:
+    """The model repo ids in the Hugging Face cache, read from its folder names (fast: no file
+    is opened)."""
+    from ..models.loader import hf_cache_dir
+
+    try:
+        names = os.listdir(hf_cache_dir())
+    except OSError:
+        return []
+    return sorted(name[len("models--"):].replace("--", "/") for name in names if name.startswith("models--"))
+
+
+def missing_model_message(ref: str, what: str = "model") -> str | None:
+    """One line for a REF (a MODEL or --draft-model, named WHAT) that names no model: it is not
+    found, the cached model or folder it is closest to, and how to download it. None when REF
+    names a model after all (it failed for another reason)."""
+    import difflib
+
+    from ..models.loader import display_path, hf_cache_dir, is_model_ref
+
+    ref = ref.strip()
+    if not ref or is_model_ref(ref):
+        return None
+    path = Path(ref).expanduser()
+    if ref.startswith(("/", ".", "~")) or ref.count("/") > 1:  # a folder, as the loader reads it
+        siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
+        meant = f"; did you mean '{ref[: len(ref) - len(path.name)]}{close[0]}'?" if close else ""
+        return f"{what} folder '{ref}' does not exist{meant}"
+    names = cached_repo_ids()
+    close = difflib.get_close_matches(ref, names, n=1, cutoff=0.75)
+    close = close or [n for n in names if n.lower() == ref.lower()]
+    meant = f"; did you mean '{close[0]}' (cached)?" if close else ""
+    return (f"{what} '{ref}' not found: it is not a local folder and not in the Hugging Face cache "
+            f"({display_path(hf_cache_dir())}){meant}; to download it: `mlxspec pull {ref}`")
+
+
 def load_with_spinner(model, draft_model=None, prompt_cache_bytes: int | None = None):
     """``mlxspec.api.load(model, draft_model)`` under a "loading model…" spinner on a terminal
     (nothing when stderr is piped: no escape codes in logs); PROMPT_CACHE_BYTES sizes the
     prompt cache (None: the API's default)."""
     from ..api import load
 
+    quiet_libraries()
     sized = {} if prompt_cache_bytes is None else {"prompt_cache_bytes": prompt_cache_bytes}
     console = stderr_console()
-    with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
-        return load(model, draft_model=draft_model, **sized)
+    with model_errors(model, draft_model):
+        with console.status("loading model…", spinner="dots") if console.is_terminal else contextlib.nullcontext():
+            return load(model, draft_model=draft_model, **sized)
+
+
+def valid_text(text: str) -> tuple[str, bool]:
+    """TEXT with what was not UTF-8 (undecodable bytes: lone surrogates, as Python hands over
+    argv and input()) replaced by U+FFFD; and whether anything was."""
+    try:
+        text.encode("utf-8")
+        return text, False
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that stands for no byte
+            raw = text.encode("utf-8", "replace")
+        return raw.decode("utf-8", "replace"), True
+
+
+def replaced_note(what: str) -> str:
+    """The one line saying that WHAT (stdin, the prompt argument...) was not UTF-8."""
+    return f"note: {what} is not valid UTF-8; the bytes that are not were replaced with U+FFFD"
 
 
 def print_stats(stats, table: bool) -> None:

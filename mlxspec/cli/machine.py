@@ -16,6 +16,7 @@ from .console import (
     complete_model,
     help_text,
     load_with_spinner,
+    model_errors,
     print_note,
     stderr_console,
     stdout_console,
@@ -31,8 +32,10 @@ It times a verify forward of 1 to 16 tokens and one draft step of each drafter (
 the --draft-model, the model's MTP head if it has one), runs each drafter at depth 8 on a few
 built-in prompts (a code edit, code completion, prose) to measure acceptance per draft
 position, and picks the depth with the best expected speed per drafter. The result is stored
-per machine and model (the path is printed at the end); `run` then
-uses the stored cost curve instead of measuring it at load.
+per machine and model (the path is printed at the end). `run` and `serve` then use it: the
+stored cost curve instead of measuring one (a run without a tune measures it once and stores
+it), the tuned depth as the cap of the adaptive depth, and, for drafter auto, the drafter rated
+fastest here (a note says when that differs from auto's usual pick).
 """)
 
 
@@ -189,7 +192,8 @@ def profile(
         prof = hardware.detect()
         data = prof.to_dict()
         if model is not None or draft_model is not None:
-            caps = presets.model_caps(model, draft_model)
+            with model_errors(model, draft_model):
+                caps = presets.model_caps(model, draft_model)
             chosen, reasons = presets.choose(prof, caps)
             data["auto"] = {"model": caps.name, "model_bytes": caps.model_bytes,
                             "has_mtp_head": caps.has_mtp_head, "draft_model": caps.draft_name,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 from typing import Annotated, Optional
 
@@ -16,6 +17,7 @@ from ..options import (
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     DRAFTERS,
+    FLAGS,
     MAX_DEPTH,
     MIN_DEPTH,
     check_choice,
@@ -30,15 +32,20 @@ from .console import (
     demo_notice,
     help_text,
     load_with_spinner,
+    print_note,
     print_stats,
+    replaced_note,
     stderr_console,
     stdout_console,
     user_errors,
+    valid_text,
 )
 
 # what the flags are called in error messages
-FLAG_LABELS = {"depth": "--depth", "temperature": "--temp", "top_p": "--top-p", "top_k": "--top-k",
-               "min_p": "--min-p", "max_tokens": "--max-tokens"}
+FLAG_LABELS = {"depth": "--depth", "temperature": FLAGS["temperature"][0], "top_p": "--top-p", "top_k": "--top-k",
+               "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0]}
+# a Hugging Face repo id, org/name: a lone argument like this is a model, never a prompt
+REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) -> None:
@@ -52,14 +59,39 @@ def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) 
 
 
 def _split_positionals(model: Optional[str], prompt: Optional[str]):
-    """(model ref, prompt): a lone positional is the model only if it names one or is a path."""
+    """(model ref, prompt): a lone positional is the model if it names one, starts like a path
+    or looks like a repo id (org/name); otherwise it is the prompt ("-": read stdin)."""
     if model is not None and prompt is None:
         from ..models.loader import is_model_ref
 
-        # a mistyped folder should fail as a model, not be sent to the demo as a prompt
-        if not model.startswith(("/", "./", "../", "~")) and not is_model_ref(model):
+        # a mistyped folder or repo id should fail as a model, not be sent to the demo as a prompt
+        like_a_model = model.startswith(("/", "./", "../", "~")) or REPO_ID.fullmatch(model)
+        if model == "-" or (not like_a_model and not is_model_ref(model)):
             return None, model
     return model, prompt
+
+
+def _check_refs(model: Optional[str], draft_model: Optional[str]) -> None:
+    """A MODEL or --draft-model written as a path or a repo id that names nothing fails now,
+    before stdin is read or anything loaded (other names fail when loading)."""
+    from ..errors import ModelNotFoundError
+    from .console import missing_model_message
+
+    for ref, what in ((model, "model"), (draft_model, "draft model")):
+        if ref is not None and (ref.startswith(("/", "./", "../", "~")) or REPO_ID.fullmatch(ref)):
+            message = missing_model_message(ref, what)
+            if message:
+                raise ModelNotFoundError(message)
+
+
+def _model_option(option: Optional[str], model: Optional[str], prompt: Optional[str]):
+    """-m/--model names the model: then the one positional left is the prompt."""
+    if option is None:
+        return model, prompt
+    if prompt is not None:
+        raise UsageError(f"give MODEL once, as {FLAGS['model'][0]} or as the first argument; got {option!r} "
+                         f"and {model!r}")
+    return option, model
 
 
 def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
@@ -84,10 +116,71 @@ def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
 
 
 def _read_stdin() -> str:
-    text = sys.stdin.read().rstrip("\r\n")
+    """Stdin as text, without its final newline; bytes that are not UTF-8 are replaced (one note)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None:
+        text, replaced = valid_text(sys.stdin.read())
+    else:
+        raw = buffer.read()
+        try:
+            text, replaced = raw.decode("utf-8-sig"), False
+        except UnicodeDecodeError:
+            text, replaced = raw.decode("utf-8-sig", "replace"), True
+    if replaced:
+        print_note(replaced_note("stdin"))
+    return text.rstrip("\r\n")
+
+
+def _prompt(prompt: Optional[str], chat: bool) -> Optional[str]:
+    """The prompt: the argument; stdin for "-" or when it is piped and no argument is given; when
+    both are given, stdin's text, a blank line, then the argument (as `llm` joins them). None
+    for the chat."""
+    if chat:
+        return None
+    piped = sys.stdin is not None and not sys.stdin.isatty()
+    if prompt is not None and prompt != "-":
+        try:
+            extra = _read_stdin() if piped else ""
+        except OSError:  # a stdin that cannot be read is no extra text
+            extra = ""
+        return f"{extra}\n\n{prompt}" if extra.strip() else prompt
+    try:
+        text = _read_stdin() if sys.stdin is not None else ""
+    except OSError as err:
+        raise UsageError(f"cannot read the prompt from stdin: {err}") from None
     if not text.strip():
         raise UsageError("the prompt on stdin is empty")
     return text
+
+
+def _argument_text(prompt: Optional[str], system: Optional[str]):
+    """PROMPT and SYSTEM as given on the command line, with bytes that were not UTF-8 replaced
+    (Python hands them over as lone surrogates, which no tokenizer takes); one note if any."""
+    replaced = []
+    if prompt is not None:
+        prompt, bad = valid_text(prompt)
+        replaced += ["the PROMPT argument"] if bad else []
+    if system is not None:
+        system, bad = valid_text(system)
+        replaced += [FLAGS["system"][0]] if bad else []
+    if replaced:
+        print_note(replaced_note(" and ".join(replaced)))
+    return prompt, system
+
+
+def _unused_flags(given: dict, drafter: str, draft_model: Optional[str], depth: Optional[int],
+                  seed: Optional[int]) -> Optional[str]:
+    """A note for each flag that does nothing with the others given; the draft model returned
+    (None when the drafter does not use it: it is not loaded)."""
+    if seed is not None and given["temp"] == 0:
+        print_note("note: --seed has no effect at temperature 0 (greedy decoding picks the same tokens anyway)")
+    if depth is not None and drafter == "none":
+        print_note("note: --depth has no effect with drafter none (nothing is drafted)")
+    if draft_model is not None and drafter in ("pld", "mtp", "none"):
+        print_note(f"note: --draft-model has no effect with drafter {drafter}: it is not loaded "
+                   "(--drafter draft or auto uses it)")
+        return None
+    return draft_model
 
 
 # -- the run command ---------------------------------------------------------
@@ -96,14 +189,16 @@ def _read_stdin() -> str:
 RUN_HELP = help_text("""
 Generate text with MODEL, speculatively: the output is exactly what MODEL alone would write.
 
-MODEL is a local folder or a Hugging Face repo id already in the local cache. Without it the
-default model is used: $MLXSPEC_DEFAULT_MODEL, else default_model in {config}, else a
-small built-in demo model. With a single argument, it is MODEL if it names a model (an
-existing folder or a cached repo id) or starts like a path (/, ./, ../, ~), otherwise it is
-PROMPT for the default model.
+MODEL is a local folder or a Hugging Face repo id already in the local cache (or give it as
+-m/--model). Without it the default model is used: $MLXSPEC_DEFAULT_MODEL, else default_model
+in {config}, else a small built-in demo model. With a single argument, it is MODEL if it names
+a model (an existing folder or a cached repo id), starts like a path (/, ./, ../, ~) or looks
+like a repo id (org/name); otherwise it is PROMPT for the default model.
 
-Without PROMPT the prompt is read from stdin when stdin is piped; on a terminal an
-interactive chat starts (/reset, /stats, /exit; Ctrl-C stops an answer, Ctrl-D quits).
+PROMPT "-" or no PROMPT reads the prompt from stdin when stdin is piped; a PROMPT and piped
+stdin are joined: stdin's text, a blank line, then PROMPT. Without PROMPT on a terminal an
+interactive chat starts (/help lists its commands; \"\"\" starts a multi-line message; Ctrl-C
+stops an answer, Ctrl-D quits).
 
 A thinking model's reasoning (<think>...</think>) is shown dimmed before the answer on a
 terminal and as written when piped; --hide-reasoning prints the answer only, --reasoning off
@@ -111,56 +206,72 @@ asks the model not to reason.
 """).format(config=str(user_config_path()).replace(os.path.expanduser("~"), "~", 1))
 
 
+def _default(text: str) -> str:
+    """A default for --help, in Typer's own form (escaped: rich markup would eat the bracket)."""
+    return f"\\[default: {text}]"
+
+
 # each option's declaration, so that the command's signature reads as a list of names
 ModelArgument = Annotated[Optional[str], typer.Argument(
     metavar="MODEL", show_default=False, autocompletion=complete_model,
     help="Local model folder or cached Hugging Face repo id (default: the configured or demo model).")]
 PromptArgument = Annotated[Optional[str], typer.Argument(
-    metavar="PROMPT", show_default=False, help="The prompt. Omit it to read stdin, or to chat on a terminal.")]
+    metavar="PROMPT", show_default=False,
+    help="The prompt; - reads stdin. Omit it to read stdin, or to chat on a terminal.")]
+ModelOption = Annotated[Optional[str], typer.Option(
+    *FLAGS["model"], metavar="MODEL", show_default=False, autocompletion=complete_model,
+    help="MODEL as an option (as mlx-lm's --model): the one argument left is then PROMPT.")]
 DrafterOption = Annotated[Optional[str], typer.Option(
     autocompletion=complete_drafter,
     help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
-         "if it has one, else prompt lookup), pld (prompt lookup), draft (a draft model, needs "
-         "--draft-model), mtp (the model's native multi-token-prediction head) or none "
-         "(plain decoding). Default: $MLXSPEC_DRAFTER, else the config file, else auto.",
-    show_default=False)]
+         "if it has one, else prompt lookup; or the drafter `mlxspec tune` rated fastest), pld "
+         "(prompt lookup), draft (a draft model, needs --draft-model), mtp (the model's native "
+         "multi-token-prediction head) or none (plain decoding). "
+         + _default("auto, or $MLXSPEC_DRAFTER / config"), show_default=False)]
 DraftModelOption = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="PATH_OR_REPO", help="Small model sharing MODEL's tokenizer, used to draft tokens.")]
 DepthOption = Annotated[Optional[int], typer.Option(
-    help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH} (default: chosen per drafter).", show_default=False)]
+    help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH}. "
+         + _default("adaptive, up to the depth `mlxspec tune` chose, else 8 for pld, 6 for draft, 4 for mtp"),
+    show_default=False)]
 PresetOption = Annotated[Optional[str], typer.Option(
     help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
          "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
-         "the preset's drafter.", show_default=False)]
+         "the preset's drafter. " + _default("none, or $MLXSPEC_PRESET / config"), show_default=False)]
 TempOption = Annotated[Optional[float], typer.Option(
-    help=f"Sampling temperature; 0 is greedy. [default: {DEFAULT_TEMPERATURE}, or $MLXSPEC_TEMP / config]",
+    *FLAGS["temperature"],
+    help="Sampling temperature; 0 is greedy. " + _default(f"{DEFAULT_TEMPERATURE}, or $MLXSPEC_TEMP / config"),
     show_default=False)]
 TopPOption = Annotated[Optional[float], typer.Option(
     help="Nucleus sampling: keep the most likely tokens up to this probability mass, in (0, 1]. "
-         f"[default: {DEFAULT_TOP_P}, or $MLXSPEC_TOP_P / config]", show_default=False)]
+         + _default(f"{DEFAULT_TOP_P}, or $MLXSPEC_TOP_P / config"), show_default=False)]
 TopKOption = Annotated[Optional[int], typer.Option(
-    help=f"Keep only the K most likely tokens; 0 is off. [default: {DEFAULT_TOP_K}, or $MLXSPEC_TOP_K / config]",
+    help="Keep only the K most likely tokens; 0 is off. " + _default(f"{DEFAULT_TOP_K}, or $MLXSPEC_TOP_K / config"),
     show_default=False)]
 MinPOption = Annotated[Optional[float], typer.Option(
     help="Drop tokens less likely than MIN_P times the top token's probability; 0 is off. "
-         f"[default: {DEFAULT_MIN_P}, or $MLXSPEC_MIN_P / config]", show_default=False)]
+         + _default(f"{DEFAULT_MIN_P}, or $MLXSPEC_MIN_P / config"), show_default=False)]
 SeedOption = Annotated[Optional[int], typer.Option(
-    help="Random seed for reproducible sampling.", show_default=False)]
+    help="Random seed for reproducible sampling (temperature > 0). " + _default("none"), show_default=False)]
 MaxTokensOption = Annotated[Optional[int], typer.Option(
-    help=f"Most tokens to generate per answer. [default: {DEFAULT_MAX_TOKENS}, or $MLXSPEC_MAX_TOKENS / config]",
+    *FLAGS["max_tokens"],
+    help="Most tokens to generate per answer. " + _default(f"{DEFAULT_MAX_TOKENS}, or $MLXSPEC_MAX_TOKENS / config"),
     show_default=False)]
-SystemOption = Annotated[Optional[str], typer.Option(help="System prompt.", show_default=False)]
-RawOption = Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the model's chat template.")]
+SystemOption = Annotated[Optional[str], typer.Option(
+    *FLAGS["system"], help="System prompt. " + _default("none"), show_default=False)]
+RawOption = Annotated[bool, typer.Option(
+    *FLAGS["raw"], help="Send the prompt as is, without the model's chat template.")]
 ReasoningOption = Annotated[Optional[str], typer.Option(
     "--reasoning", metavar="on|off|auto", autocompletion=complete_reasoning,
     help="Whether a thinking model (Qwen3, Qwen3.5 ...) reasons before answering: sets the chat "
-         "template's enable_thinking; auto keeps the template's default (default: auto, or "
-         "$MLXSPEC_REASONING / config).", show_default=False)]
+         "template's enable_thinking; auto keeps the template's default. "
+         + _default("auto, or $MLXSPEC_REASONING / config"), show_default=False)]
 HideReasoningOption = Annotated[bool, typer.Option(
     "--hide-reasoning", help="Print only the answer, not the <think> reasoning (shown dimmed on a "
                              "terminal, with its tags when piped).")]
 JsonOption = Annotated[bool, typer.Option(
-    "--json", help="Print one JSON object {text, reasoning, tokens, stats} instead of streaming text.")]
+    "--json", help="Print one JSON object {model, text, reasoning, finish_reason, tokens, stats} instead of "
+                   "streaming text.")]
 NoStatsOption = Annotated[bool, typer.Option(
     "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")]
 YesOption = Annotated[bool, typer.Option(
@@ -172,6 +283,7 @@ def run(
     ctx: typer.Context,
     model: ModelArgument = None,
     prompt: PromptArgument = None,
+    model_option: ModelOption = None,
     drafter: DrafterOption = None,
     draft_model: DraftModelOption = None,
     depth: DepthOption = None,
@@ -197,16 +309,19 @@ def run(
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                               max_tokens=max_tokens, preset=preset, reasoning=reasoning))
         _check_flags(given, draft_model, depth)
+        model, prompt = _model_option(model_option, model, prompt)
         model, prompt = _split_positionals(_aliased_model(model, yes), prompt)
+        prompt, system = _argument_text(prompt, system)
         from .machine import prepare_run
 
         drafter, draft_model, preset_options = prepare_run(given["preset"], model, given["drafter"],
                                                            draft_model, ctx)
-        chat = prompt is None and sys.stdin.isatty()
+        draft_model = _unused_flags(given, drafter, draft_model, depth, seed)
+        _check_refs(model, draft_model)
+        chat = prompt is None and sys.stdin is not None and sys.stdin.isatty()
         if chat and json_out:
             raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
-        if prompt is None and not chat:
-            prompt = _read_stdin()
+        prompt = _prompt(prompt, chat)
         # each chat turn reuses the conversation so far (config prompt_cache_bytes)
         spec = _load(model, draft_model, given["prompt_cache_bytes"] if chat else None)
         from ..api import GenerationRequest
@@ -215,11 +330,23 @@ def run(
         request = GenerationRequest(
             max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"], top_k=given["top_k"],
             min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
-            template_kwargs=template_kwargs(given["reasoning"]),
+            template_kwargs=template_kwargs(given["reasoning"]), on_note=_once(print_note),
             # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
             reuse=chat, **preset_options)
         _answer(spec, prompt, request, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
                 no_stats=no_stats)
+
+
+def _once(show):
+    """SHOW(line), each line once (a chat would repeat the same note every turn)."""
+    shown = set()
+
+    def show_once(line: str) -> None:
+        if line not in shown:
+            shown.add(line)
+            show(line)
+
+    return show_once
 
 
 def _load(model: Optional[str], draft_model: Optional[str], prompt_cache_size: Optional[str]):
@@ -246,7 +373,8 @@ def _answer(spec, prompt, request, *, chat: bool, json_out: bool, hide_reasoning
 
         result = spec.generate(prompt, request=request)
         thought, text = split(result.text, cli_chat.starts_in_reasoning(spec, prompt, request))
-        out = {**result.to_dict(), "text": text, "reasoning": None if hide_reasoning else thought or None}
+        out = {"model": spec.name, **result.to_dict(), "text": text,
+               "reasoning": None if hide_reasoning else thought or None, "finish_reason": result.finish_reason}
         sys.stdout.write(json.dumps(out) + "\n")
     elif chat:
         cli_chat.chat(spec, request, show_stats=not no_stats, live=live, hide_reasoning=hide_reasoning)

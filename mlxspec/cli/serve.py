@@ -26,9 +26,11 @@ from .console import (
     complete_reasoning,
     demo_notice,
     help_text,
+    model_errors,
     no_color,
     print_error,
     print_note,
+    quiet_libraries,
     user_errors,
 )
 
@@ -161,17 +163,20 @@ def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: in
     from ..server.app import create_app
     from ..server.common import Settings
 
-    spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
+    quiet_libraries()
+    with model_errors(model, draft_model):
+        spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
     if spec.is_demo:
         demo_notice(spec.name)
     return spec, create_app(spec, Settings(model_name=spec.name, **settings))
 
 
 def _run_server(application, host: str, port: int, log_level: str) -> None:
-    """uvicorn until Ctrl-C, with one log line per request."""
+    """uvicorn until Ctrl-C or SIGTERM (running requests get a bounded time to finish, a second
+    signal stops at once), with one log line per request."""
     import logging
 
-    import uvicorn
+    from ..server.lifecycle import serve as serve_app
 
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
@@ -179,8 +184,7 @@ def _run_server(application, host: str, port: int, log_level: str) -> None:
     request_log.addHandler(handler)  # one line per request: tokens, finish, drafted/accepted
     request_log.setLevel(logging.INFO)
     try:
-        uvicorn.run(application, host=host, port=port, log_level=log_level,
-                    use_colors=False if no_color() else None)
+        serve_app(application, host, port, log_level=log_level, use_colors=False if no_color() else None)
     except OSError as err:
         print_error(f"cannot bind {host}:{port}: {err.strerror}")
         raise typer.Exit(1) from None

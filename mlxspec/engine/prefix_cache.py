@@ -7,14 +7,21 @@ a hybrid model's recurrent state exists only where it was taken, so those entrie
 their own tokens (the engine takes them at reusable points: the end of the conversation before
 the generation prompt, the end of the prompt, the end of the answer). Entries are kept in
 least-recently-used order under a byte budget.
+
+The budget counts memory really held: an attention snapshot is a view of the live cache's
+buffer, which is allocated in steps (256 tokens) and would stay alive whole behind a short
+prompt's view, so an entry keeps compact copies of such views (:func:`compact`) and counts
+them, its drafters' state and its tokens.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import numpy as np
 
 from .cache import Snapshot
@@ -22,14 +29,14 @@ from .cache import Snapshot
 
 @dataclass
 class Entry:
-    tokens: np.ndarray  # the tokens the snapshots hold, in order
+    tokens: np.ndarray  # the tokens the snapshots hold, in order (counted in nbytes too)
     target: Snapshot
     drafters: dict = field(default_factory=dict)  # drafter name -> its snapshot (opaque)
     drafter_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.target.nbytes + self.drafter_bytes
+        return self.target.nbytes + self.drafter_bytes + self.tokens.nbytes
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -39,10 +46,33 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+def compact(obj):
+    """OBJ (a Snapshot, an array, or lists / tuples of them: a drafter's state) holding only
+    its own bytes: every array becomes a copy of itself, so a view of part of a larger buffer
+    (a KV cache's used slice, a recurrent conv state sliced from its input) lets that buffer go.
+    (``x * 1``: a new buffer, the same bits; ``mx.contiguous`` and ``mx.array`` may return a
+    view of a buffer that is row-contiguous already.)"""
+    if isinstance(obj, Snapshot):
+        return Snapshot(obj.length, [compact(leaf) for leaf in obj.leaves], obj.trimmable)
+    if isinstance(obj, mx.array):
+        return obj * 1
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(compact(o) for o in obj)
+    return obj
+
+
+def _arrays(obj) -> list:
+    if isinstance(obj, Snapshot):
+        return obj.arrays()
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [a for o in obj for a in _arrays(o)]
+    return []
+
+
 def _nbytes(obj) -> int:
     """Bytes of the MLX arrays in a drafter snapshot (nested lists/tuples/Snapshots)."""
-    import mlx.core as mx
-
     if isinstance(obj, Snapshot):
         return obj.nbytes
     if isinstance(obj, mx.array):
@@ -115,7 +145,11 @@ class PrefixCache:
         if target is None or self.max_bytes == 0 or target.length == 0:
             return
         arr = np.asarray(tokens[: target.length], dtype=np.int64)
-        key = arr.tobytes()
+        key = hashlib.blake2b(arr.tobytes(), digest_size=16).digest()  # small: the tokens are kept once
+        target = compact(target)
+        if drafter_state is not None:
+            drafter_state = compact(drafter_state)
+        mx.eval(_arrays(target) + _arrays(drafter_state))  # copy now: the views' buffers can go
         with self._lock:
             old = self._entries.pop(key, None)
             entry = Entry(arr, target, dict(old.drafters) if old else {})

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..options import DEFAULT_MIN_P, DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P, check_values
+from ..options import (
+    DEFAULT_MIN_P,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    GREEDY_TEMPERATURE,
+    check_values,
+)
 
 
 @dataclass(frozen=True)
@@ -27,7 +34,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE  # a vanishing one too (see options)
 
     def validate(self) -> None:
         """UsageError for a value out of range (mlxspec.options holds the limits)."""

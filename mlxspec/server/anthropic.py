@@ -128,7 +128,10 @@ def template_messages(body: CountBody) -> list[dict]:
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                 "content": ("Error: " + text) if b.is_error else text})
             elif b.type == "thinking" and m.role == "assistant":
-                thoughts.append((b.model_extra or {}).get("thinking") or "")
+                thought = (b.model_extra or {}).get("thinking")
+                if thought is not None and not isinstance(thought, str):
+                    raise APIError(400, f"{where}: a thinking block's thinking must be a string", param=where)
+                thoughts.append(thought or "")
             elif b.type in ("thinking", "redacted_thinking"):
                 continue
             else:
@@ -164,7 +167,8 @@ def thinking_mode(thinking) -> tuple[str | None, bool]:
     """(on / off / auto or None when not given, whether the thinking is to be left out)."""
     if thinking is None:
         return None, False
-    if not isinstance(thinking, dict) or thinking.get("type") not in THINKING_TYPES:
+    if not isinstance(thinking, dict) or not isinstance(thinking.get("type"), str) \
+            or thinking["type"] not in THINKING_TYPES:
         raise APIError(400, "thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
                             "{\"type\": \"disabled\"} or {\"type\": \"adaptive\"}", param="thinking")
     unknown = set(thinking) - {"type", "budget_tokens", "display"}
@@ -184,6 +188,7 @@ def prompt_ids(server, body: CountBody, points: list | None = None) -> tuple[lis
     POINTS, if given, gets where a later turn may reuse the prefix cache."""
     messages, tools = template_messages(body), template_tools(body)
     kwargs = template_overrides(server.settings, thinking_mode(body.thinking)[0], body.chat_template_kwargs)
+    server.prompts.check_size(messages, tools)  # the prefill too, before it is taken off
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") and len(messages) > 1:
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace here
@@ -197,6 +202,11 @@ def prompt_ids(server, body: CountBody, points: list | None = None) -> tuple[lis
         except TypeError:
             ids += list(tok.encode(prefill))
     return ids, tools
+
+
+def _prompt_and_reasoning(server, body: CountBody, points: list) -> tuple[list[int], list[dict] | None, bool]:
+    ids, tools = prompt_ids(server, body, points)
+    return ids, tools, server.starts_in_reasoning(ids)
 
 
 # -- generation -> events --------------------------------------------------------------------
@@ -354,7 +364,7 @@ async def messages(body: MessagesBody, request: Request):
     drafter, depth = speculation_overrides(body.speculation, server.settings)
     _, omit_thinking = thinking_mode(body.thinking)
     points: list[int] = []
-    ids, tools = prompt_ids(server, body, points)
+    ids, tools, in_reasoning = await server.prompts.run(_prompt_and_reasoning, server, body, points)
     generation = GenerationRequest(max_tokens=body.max_tokens, temperature=body.temperature,
                                    top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
                                    drafter=drafter, depth=depth, checkpoints=points)
@@ -364,7 +374,7 @@ async def messages(body: MessagesBody, request: Request):
                "model": server.settings.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ids), "output_tokens": 0}}
     events = content_events(server.generate(request, gen, outcome), parse_tools=bool(tools),
-                            in_reasoning=server.starts_in_reasoning(ids), show_thinking=not omit_thinking)
+                            in_reasoning=in_reasoning, show_thinking=not omit_thinking)
 
     def final_usage() -> dict:
         return {"input_tokens": len(ids), "output_tokens": outcome.completion_tokens,
@@ -405,5 +415,5 @@ async def messages(body: MessagesBody, request: Request):
 async def count_tokens(body: CountBody, request: Request):
     server = request.app.state.server
     server.check_model(body.model)
-    ids, _ = prompt_ids(server, body)
+    ids, _ = await server.prompts.run(prompt_ids, server, body)
     return {"input_tokens": len(ids)}

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from . import anthropic, openai
 from .common import ServedModel, Settings
 from .generation import Server
-from .middleware import BodyLimit, add_error_handlers, check_key_and_count
+from .middleware import BodyLimit, Gate, add_error_handlers
 
 
 def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
@@ -21,7 +21,6 @@ def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
                   description="OpenAI- and Anthropic-compatible API over one model, with exact speculative decoding.")
     server = Server(spec, settings)
     app.state.server = server
-    app.middleware("http")(check_key_and_count)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -40,11 +39,14 @@ def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
 
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    # the last added is the outermost: CORS (preflights need no key), the Host and key checks,
+    # then the body limit (an unauthorized body is not read)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Gate, server=server)
     if settings.cors:
         from fastapi.middleware.cors import CORSMiddleware
 
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
 
 

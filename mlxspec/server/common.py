@@ -34,13 +34,14 @@ class APIError(Exception):
 class Settings:
     model_name: str
     api_key: str | None = None
-    max_queue: int = DEFAULT_MAX_QUEUE
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait while one generates (0: none)
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
     max_body_bytes: int = 4 * 1024 * 1024
     drafter: str = "auto"
     depth: int | None = None
     cors: bool = False
     reasoning: str = "auto"  # on | off | auto: the chat template's enable_thinking by default
+    prompt_workers: int = 2  # prompts rendered and tokenized at once (max_queue more may wait)
 
 
 class ServedModel(Protocol):
@@ -77,7 +78,7 @@ class Outcome:
 
     text: str = ""
     completion_tokens: int = 0
-    finish_reason: str = "stop"  # stop | length
+    finish_reason: str = "stop"  # stop | length (and in the log: cancelled | error)
     stop_sequence: str | None = None
     stats: Stats = field(default_factory=Stats)  # the latest chunk's; empty before the first
 

@@ -1,5 +1,6 @@
 """Generation for every surface: the :class:`Server` checks what a request asks, renders its
-prompt, runs it on the worker and streams text deltas back, cut at the request's stop strings.
+prompt (off the event loop, see ``prompts.py``), runs it on the worker and streams text deltas
+back, cut at the request's stop strings; a client that leaves, queued or running, cancels it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .. import reasoning
 from ..errors import MlxspecError
 from .common import APIError, Outcome, ServedModel, Settings, SurfaceRequest
 from .metrics import Metrics
+from .prompts import PromptWork
 from .worker import QueueFull, Worker
 
 log = logging.getLogger("mlxspec.server")
@@ -53,6 +55,7 @@ class Server:
         self.spec = spec
         self.settings = settings
         self.worker = Worker(spec, settings.max_queue)
+        self.prompts = PromptWork(spec, settings.prompt_workers, settings.max_queue)
         self.metrics = Metrics()
 
     def check_model(self, name: str | None) -> None:
@@ -69,6 +72,8 @@ class Server:
 
     def encode_chat(self, messages: list[dict], tools: list | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
+        """The chat's token ids (blocking: surfaces run it through ``self.prompts``)."""
+        self.prompts.check_size(messages, tools)
         try:
             return self.spec.encode(messages, tools=tools, template_kwargs=template_kwargs)
         except Exception as err:  # jinja raises many types on odd messages
@@ -79,6 +84,17 @@ class Server:
         """Where the next turn of this conversation will share the prompt (the prefix cache
         keeps a hybrid model's state there)."""
         return self.spec.reuse_points(messages, prompt_ids, tools=tools, template_kwargs=template_kwargs)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A raw prompt's token ids (blocking, as :meth:`encode_chat`)."""
+        self.prompts.check_size(text)
+        return list(self.spec.tokenizer.encode(text))
+
+    def chat_prompt(self, messages: list[dict], tools: list | None,
+                    template_kwargs: dict | None) -> tuple[list[int], list[int], bool]:
+        """(token ids, reuse points, whether it starts in reasoning) of a chat (blocking)."""
+        ids = self.encode_chat(messages, tools, template_kwargs)
+        return ids, self.reuse_points(messages, ids, tools, template_kwargs), self.starts_in_reasoning(ids)
 
     def starts_in_reasoning(self, prompt_ids: list[int]) -> bool:
         return reasoning.starts_in_reasoning(self.spec.tokenizer, prompt_ids)
@@ -92,11 +108,9 @@ class Server:
         except QueueFull:
             raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
                            kind="overloaded_error", headers={"Retry-After": "1"}) from None
-        held, started = "", time.perf_counter()
+        held, started, ended = "", time.perf_counter(), False
         try:
-            async for chunk in request_errors(job.chunks()):
-                if await request.is_disconnected():
-                    return
+            async for chunk in request_errors(job.chunks(gone=request.is_disconnected)):
                 outcome.completion_tokens += len(chunk.tokens)
                 outcome.stats = chunk.stats
                 held += chunk.text
@@ -115,11 +129,19 @@ class Server:
                     yield held[:safe]
                     held = held[safe:]
             else:
+                if job.cancelled.is_set():  # the client left: nobody reads the rest
+                    return
                 if held:
                     outcome.text += held
                     yield held
                 outcome.finish_reason = outcome.stats.finish_reason or "stop"
+            ended = True
+        except Exception:
+            outcome.finish_reason, ended = "error", True
+            raise
         finally:
+            if not ended:  # the client left, or the server stopped it (shutting down)
+                outcome.finish_reason = "cancelled"
             job.cancel()
             self._account(gen, outcome, time.perf_counter() - started)
 

@@ -1,16 +1,18 @@
-"""What wraps every request, whichever surface answers it: the body-size limit, the API key
-check and request counting, and errors shaped the way the request's surface expects them.
+"""What wraps every request, whichever surface answers it: the body-size limit, the Host and
+API key checks and request counting, and errors shaped the way the request's surface expects them.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .common import APIError, error_body, surface_of
@@ -21,13 +23,14 @@ log = logging.getLogger("mlxspec.server")
 OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/redoc"}
 
 # the error type each surface expects for an HTTP status the framework raises itself
-ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
-               503: "overloaded_error"}
+ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               422: "invalid_request_error", 503: "overloaded_error"}
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over the limit is answered 413 before it is parsed."""
+    """ASGI middleware: a request body over the limit is answered 413 before it is parsed,
+    declared (Content-Length) or not (chunked): the body is read here, then handed on."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -39,55 +42,109 @@ class BodyLimit:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
+        parts, seen, first = [], 0, None
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client left while sending
+                first = message
+                break
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                return await self._reject(scope, send)
+            parts.append(message.get("body", b""))
+            if not message.get("more_body"):
+                first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                break
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(scope, send)
+        async def replayed():
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()  # then what follows: a disconnect, when the client leaves
+
+        await self.app(scope, replayed, send)
 
     async def _reject(self, scope, send):
         surface = surface_of(scope.get("path", ""))
         body = json.dumps(error_body(surface, 413, f"request body over {self.limit} bytes",
                                      "request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 
-class _TooLarge(Exception):
-    pass
+def _is_loopback(name: str) -> bool:
+    if name.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
-async def check_key_and_count(request: Request, call_next):
-    """HTTP middleware: a request without the server's API key (when it has one) is a 401;
-    every answer under /v1/ is counted by surface and status."""
-    server = request.app.state.server
-    surface = surface_of(request.url.path)
-    api_key = server.settings.api_key
-    if api_key and request.url.path not in OPEN_PATHS:
-        given = request.headers.get("x-api-key") or ""
-        bearer = request.headers.get("authorization") or ""
+def host_name(host: str) -> str:
+    """The name in a Host header: ``[::1]:8000`` -> ``::1``, ``localhost:80`` -> ``localhost``."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class Gate:
+    """ASGI middleware, a pure one: a client that leaves reaches the request (an
+    ``@app.middleware("http")`` one hides it, and abandoned requests would run on). Without an
+    API key on a loopback address only loopback Host names are served (a page the browser got
+    from a rebound DNS name must not reach the API); with a key, requests without it are a 401.
+    Every answer under /v1/ is counted by surface and status."""
+
+    def __init__(self, app, server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        surface = surface_of(path)
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            status, message, kind = refusal
+            self.server.metrics.observe(surface, status)
+            response = JSONResponse(error_body(surface, status, message, kind), status_code=status)
+            return await response(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, counted)
+        if status is not None and path.startswith("/v1/"):
+            self.server.metrics.observe(surface, status)
+
+    def refusal(self, scope) -> tuple[int, str, str] | None:
+        """(status, message, error type) of a request refused here; None: it goes on."""
+        headers = Headers(scope=scope)
+        api_key = self.server.settings.api_key
+        if not api_key:
+            bound = (scope.get("server") or ("", None))[0] or ""
+            host = headers.get("host")
+            if _is_loopback(bound) and host is not None and not _is_loopback(host_name(host)):
+                return 403, ("this server, on loopback without an API key, answers only requests for localhost, "
+                             "127.0.0.1 or [::1] (the Host header); set an API key to serve other names"), \
+                    "permission_error"
+            return None
+        if scope.get("path", "") in OPEN_PATHS:
+            return None
+        given = headers.get("x-api-key") or ""
+        bearer = headers.get("authorization") or ""
         if bearer.lower().startswith("bearer "):
             given = given or bearer[7:].strip()
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            server.metrics.observe(surface, 401)
-            return JSONResponse(error_body(surface, 401, "invalid or missing API key "
-                                           "(Authorization: Bearer KEY or x-api-key: KEY)",
-                                           "authentication_error"), status_code=401)
-    response = await call_next(request)
-    if request.url.path.startswith("/v1/"):
-        server.metrics.observe(surface, response.status_code)
-    return response
+            return 401, "invalid or missing API key (Authorization: Bearer KEY or x-api-key: KEY)", \
+                "authentication_error"
+        return None
 
 
 async def api_error(request: Request, err: APIError):
@@ -110,7 +167,7 @@ async def invalid_request(request: Request, err: RequestValidationError):
 async def http_error(request: Request, err: StarletteHTTPException):
     kind = ERROR_KINDS.get(err.status_code, "api_error")
     return JSONResponse(error_body(surface_of(request.url.path), err.status_code, str(err.detail), kind),
-                        status_code=err.status_code)
+                        status_code=err.status_code, headers=err.headers)  # e.g. a 405's Allow
 
 
 async def internal_error(request: Request, err: Exception):

@@ -70,10 +70,38 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
-def _text(content) -> str:
+def _text(content, where: str) -> str:
+    """A message's text: the string, or its text parts joined (other parts, e.g. images, are
+    not read); a text part without a string ``text`` is a 400."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
+            continue
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}.{j}.text must be a string", param=f"{where}.{j}.text")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_call(call: dict, where: str) -> dict:
+    """An assistant's tool call as chat templates want it (arguments a mapping)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, f"{where}.function must be an object with a string name", param=f"{where}.function")
+    fn = dict(fn)
+    args = fn.get("arguments")
+    if isinstance(args, str):  # templates want a mapping
+        try:
+            args = fn["arguments"] = json.loads(args)
+        except json.JSONDecodeError:
+            raise APIError(400, f"{where}.function.arguments is not valid JSON", param="messages") from None
+    if args is not None and not isinstance(args, dict):
+        raise APIError(400, f"{where}.function.arguments must be a JSON object", param=f"{where}.function.arguments")
+    if call.get("id") is not None and not isinstance(call["id"], str):
+        raise APIError(400, f"{where}.id must be a string", param=f"{where}.id")
+    return {"type": "function", "id": call.get("id"), "function": fn}
 
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # "none" turns reasoning off
@@ -120,23 +148,13 @@ def reasoning_mode(body: "ChatRequest") -> str | None:
 
 def _template_messages(messages: list[Message]) -> list[dict]:
     out = []
-    for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
         thought = (m.model_extra or {}).get("reasoning_content")
         if m.role == "assistant" and isinstance(thought, str) and thought:
             msg["reasoning_content"] = thought  # templates render it where the model should see it
         if m.tool_calls:
-            calls = []
-            for call in m.tool_calls:
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):  # templates want a mapping
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        raise APIError(400, "tool_calls[].function.arguments is not valid JSON",
-                                       param="messages") from None
-                calls.append({"type": "function", "id": call.get("id"), "function": fn})
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = [_tool_call(c, f"messages.{i}.tool_calls.{k}") for k, c in enumerate(m.tool_calls)]
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -221,10 +239,9 @@ async def chat_completions(body: ChatRequest, request: Request):
     tools = body.tools if body.tool_choice != "none" else None
     kwargs = template_overrides(server.settings, reasoning_mode(body), body.chat_template_kwargs)
     messages = _template_messages(body.messages)
-    prompt_ids = server.encode_chat(messages, tools, kwargs)
-    in_reasoning = server.starts_in_reasoning(prompt_ids)
+    server.prompts.check_size(messages, tools)
+    prompt_ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, tools, kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    points = server.reuse_points(messages, prompt_ids, tools, kwargs)
     gen = _generation(server, body, prompt_ids, max_tokens, checkpoints=points)
     outcome = Outcome()
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
@@ -279,7 +296,8 @@ async def completions(body: CompletionRequest, request: Request):
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        prompt_ids = list(server.spec.tokenizer.encode(body.prompt))
+        server.prompts.check_size(body.prompt)
+        prompt_ids = await server.prompts.run(server.encode_text, body.prompt)
     else:
         prompt_ids = list(body.prompt)
         vocab = server.spec.target.vocab_size

@@ -10,7 +10,9 @@ What is stored, per (machine, model), as JSON under ``<user data dir>/mlxspec/tu
   (the gates' own formula), with the relative speed per depth.
 
 :mod:`.storage` reads and writes these records (``SpecModel.verify_cost()`` reads the stored
-curve instead of measuring it again), :mod:`.measure` produces them, :mod:`.prompts` holds the
+curve instead of measuring it again, and stores the curve it had to measure as a record of
+``source`` "run", without acceptance or depths), :mod:`.measure` produces them, :mod:`.choice`
+turns one into a run's drafter (for ``auto``) and depth cap, :mod:`.prompts` holds the
 prompts acceptance is measured on. Showing them is the CLI's job (``mlxspec.cli.tune_report``).
 The package imports nothing itself, so reading a record never loads the measuring code.
 """

@@ -176,6 +176,7 @@ def run_tune(spec, *, max_tokens: int = 96, reps: int = 3, context: int = 128,
              for name in drafters}
     result = {
         "version": FORMAT_VERSION,
+        "source": "tune",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": dict(machine_info()),
         "model": model_info(spec.target),

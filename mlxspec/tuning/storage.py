@@ -1,8 +1,11 @@
 """The stored tune records: where they live, which machine and model they belong to, and
-the stored costs the engine reads instead of measuring again."""
+the stored costs the engine reads instead of measuring again. A run that had to measure the
+verify-cost curve stores it here too (:func:`save_cost`), so it is measured once per machine
+and model."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -73,6 +76,41 @@ def save_result(loaded, result: dict) -> Path:
     tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def save_cost(loaded, cost: CostModel) -> Path | None:
+    """Store the verify-cost curve a run measured as this machine and model's record (``source``
+    "run": no acceptance or depths, which `mlxspec tune` adds), unless a readable record is
+    there already. None when it cannot be written: the next run measures again."""
+    if load_result(loaded) is not None:
+        return None
+    record = {"version": FORMAT_VERSION, "source": "run",
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": dict(machine_info()), "model": model_info(loaded),
+              "verify_cost": {str(n): round(c, 4) for n, c in sorted(cost.curve.items())}}
+    try:
+        return save_result(loaded, record)
+    except OSError:
+        return None
+
+
+def save_draft_cost(loaded, drafter: str, cost: float, draft=None) -> Path | None:
+    """Add the cost of one ``drafter`` step that a run measured to this machine and model's
+    record, where the record has none for it (a draft model's: when the record names no other
+    draft model). None when there is no record or it already has one, or it cannot be written."""
+    data = load_result(loaded)
+    if data is None or not isinstance(data.get("draft_cost", {}), dict) or drafter in data.get("draft_cost", {}):
+        return None
+    if drafter == "draft":
+        tuned = data.get("draft_model")
+        if draft is None or (tuned and tuned.get("key") != model_info(draft)["key"]):
+            return None
+        data["draft_model"] = model_info(draft)
+    data.setdefault("draft_cost", {})[drafter] = round(cost, 4)
+    try:
+        return save_result(loaded, data)
+    except OSError:
+        return None
 
 
 def load_result(loaded) -> dict | None:
