@@ -142,3 +142,38 @@ def test_qwen3_next_head_drafts_exactly(tiny_qwen3_next):
         dec = SpeculativeDecoder(model, mtp_head=head, drafter="mtp", depth=depth, gates=False)
         out = [t for toks, _ in dec.generate(prompt, max_tokens=N) for t in toks]
         assert out == ref, f"depth {depth}"
+
+
+def test_pending_pairs_are_fed_in_few_shapes(dense, monkeypatch):
+    """After a long plain stretch the head catches up on any number of pairs: fed as pieces
+    of at most 16 or a power of two (MLX's CUDA backend builds kernels per shape), with the
+    same drafts as one forward over them all."""
+    from mlxspec.engine.cache import ModelState
+    from mlxspec.engine.drafters import mtp as mtp_drafter
+
+    model, tok, head = dense
+    prompt = tok.encode(PROMPT * 3)
+    tokens = prompt + greedy(model, prompt, 45)  # 44 pairs pending after the prompt's
+
+    def drafts(one_piece):
+        monkeypatch.setattr(mtp_drafter, "ONE_PIECE", one_piece)
+        sizes = []
+        forward = head.forward
+        monkeypatch.setattr(head, "forward", lambda t, *a, **kw: sizes.append(t.shape[0]) or forward(t, *a, **kw))
+        state = ModelState(model, keep_hidden=True)
+        drafter = mtp_drafter.MTPDrafter(head)
+        drafter.start(prompt)
+        drafter.prefill(prompt, len(prompt) - 1, state.prefill(prompt[:-1]))
+        for t in tokens[len(prompt) - 1 : -1]:  # plain steps: one hidden row each, nothing fed
+            state.forward(mx.array([t], mx.uint32), rollback=False)
+            drafter.add_hidden(state.hidden)
+        at_prompt = len(sizes)
+        draft = drafter.propose(tokens, 3, SamplingParams())
+        monkeypatch.undo()
+        return draft.tokens.tolist(), sizes[:at_prompt], sizes[at_prompt:]
+
+    pieces, at_prompt, sizes = drafts(16)
+    assert at_prompt == [32, len(prompt) - 2 - 32]
+    assert sizes[:2] == [32, 14] and all(n <= 16 or n & (n - 1) == 0 for n in sizes)
+    whole, at_prompt, sizes = drafts(1 << 30)
+    assert at_prompt == [len(prompt) - 2] and sizes[0] == 46 and whole == pieces

@@ -206,14 +206,16 @@ class ShapeBench:
         from .script import SteeredLookup, SteeredMTP
 
         steered = script.acceptance is not None
+        # a draft step's measured cost, as `run` measures it on a machine with no tune record
+        cost = self.draft_step_ms.get(engine, 0.0) / self.forward[1]
         if engine == "mlxspec-pld":
             return SteeredLookup(script) if steered else PromptLookupDrafter()
         if engine == "mlxspec-mtp":
             if steered:
-                return SteeredMTP(self.head, self.target_nbytes, script)
-            return MTPDrafter(self.head, self.target_nbytes)
+                return SteeredMTP(self.head, self.target_nbytes, script, cost_per_token=cost)
+            return MTPDrafter(self.head, self.target_nbytes, cost_per_token=cost)
         if engine == "mlxspec-draft":
-            return DraftModelDrafter(self.draft, self.target_nbytes)  # steered by its logits
+            return DraftModelDrafter(self.draft, self.target_nbytes, cost)  # steered by its logits
         return "none"
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
@@ -282,9 +284,10 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
                            widest=max(max(depths, default=1), MLX_LM_DRAFT_DEPTH, 8) + 1,
                            on_step=lambda m: say(m, si, len(shapes)))
         cells = plan(workloads, bench.dense, depths, temperature)
-        for cell in cells:  # warm-up: kernels, allocator, the shapes each engine meets
+        for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
+            # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
             say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
-            bench.run(cell, max_tokens=min(max_tokens, 32))
+            bench.run(cell)
         runs: dict[tuple, list[Run]] = {c.key: [] for c in cells}
         for rep in range(reps):
             for cell in cells:
@@ -360,7 +363,7 @@ def real_shapes_table(doc: dict, shape: str):
                 "accept", "tok/step", "identical"):
         table.add_column(col, justify="left" if col in ("workload", "engine") else "right")
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for c in doc["real_shapes"]["cells"]:
+    for c in doc["cells"]:
         if c["shape"] != shape:
             continue
         table.add_row(c["workload"], c["engine"], str(c["depth"]), f"{c['temperature']:g}",

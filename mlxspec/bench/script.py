@@ -178,8 +178,8 @@ class SteeredLookup(PromptLookupDrafter):
 class SteeredMTP(MTPDrafter):
     """The MTP head drafts for real (its cost is paid), then its tokens become the script's."""
 
-    def __init__(self, head, target_nbytes: int, script: Script):
-        super().__init__(head, target_nbytes)
+    def __init__(self, head, target_nbytes: int, script: Script, cost_per_token: float | None = None):
+        super().__init__(head, target_nbytes, cost_per_token)
         self.script = script
 
     def propose(self, tokens, k, sampling):

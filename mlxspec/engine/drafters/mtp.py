@@ -14,6 +14,8 @@ from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, sample_chain
 
+ONE_PIECE = 16  # the widest verify: 16 drafts at most
+
 
 class MTPDrafter(Drafter):
     name = "mtp"
@@ -92,13 +94,22 @@ class MTPDrafter(Drafter):
         return self._rows[0]
 
     def _commit(self, tokens: list[int], upto: int, chunk: int | None = None) -> mx.array | None:
-        """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last one."""
+        """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last one.
+
+        Up to ONE_PIECE pairs go in one forward (a verify's accepted tokens); more go in
+        power-of-two pieces of at most ``chunk``, then the rest: MLX's CUDA backend builds
+        kernels for each new input shape, seconds a shape for an MoE head (a 23-row forward:
+        64 s the first time, 2.8 ms after), and the pairs pending after a stretch of plain
+        decoding or a prompt come in any number. So only a few shapes ever occur."""
+        rows = self._pending()
+        if upto > self.pairs and (rows is None or rows.shape[0] < upto - self.pairs):
+            return None
         out = None
         while self.pairs < upto:
             rows = self._pending()
-            n = upto - self.pairs if chunk is None else min(chunk, upto - self.pairs)
-            if rows is None or rows.shape[0] < n:
-                return None
+            n = upto - self.pairs
+            if n > ONE_PIECE:
+                n = 1 << (min(n, chunk or n).bit_length() - 1)
             new_tokens = mx.array(tokens[self.pairs + 1 : self.pairs + 1 + n], mx.uint32)
             out = self.head.forward(new_tokens, rows[:n], self.cache)
             self.pairs += n
