@@ -99,14 +99,15 @@ def save_draft_cost(loaded, drafter: str, cost: float, draft=None) -> Path | Non
     record, where the record has none for it (a draft model's: when the record names no other
     draft model). None when there is no record or it already has one, or it cannot be written."""
     data = load_result(loaded)
-    if data is None or not isinstance(data.get("draft_cost", {}), dict) or drafter in data.get("draft_cost", {}):
+    costs = data.get("draft_cost", {}) if data is not None else None
+    if not isinstance(costs, dict) or drafter in costs:
         return None
     if drafter == "draft":
         tuned = data.get("draft_model")
         if draft is None or (tuned and tuned.get("key") != model_info(draft)["key"]):
             return None
         data["draft_model"] = model_info(draft)
-    data.setdefault("draft_cost", {})[drafter] = round(cost, 4)
+    data["draft_cost"] = {**costs, drafter: round(cost, 4)}
     try:
         return save_result(loaded, data)
     except OSError:
