@@ -191,6 +191,40 @@ def test_measured_cost_only_without_seed(tiny_qwen3):
     assert m.generate("hi", max_tokens=3).stats.cost_model == "measured"
 
 
+def test_verify_widths_are_timed_in_interleaved_rounds(monkeypatch):
+    """A slow stretch of the host must fall on every width alike: the reps come in rounds of
+    every width (forwards, then backwards), and each forward keeps one token so the cache
+    grows as in generation."""
+    from mlxspec.engine import costs
+
+    class State:
+        def __init__(self, model):
+            self.length, self.calls = 0, []
+            states.append(self)
+
+        def prefill(self, tokens):
+            self.length = len(tokens)
+
+        def forward(self, tokens):
+            self.calls.append((tokens.size, self.length))
+            self.length += tokens.size
+            return tokens
+
+        def rollback_to(self, n):
+            self.length = n
+
+        def commit(self):
+            pass
+
+    states = []
+    monkeypatch.setattr(costs, "ModelState", State)
+    times = costs.verify_times(None, widths=(2, 4), context=10, reps=3, warmup_each=True)
+    calls = states[0].calls
+    assert [n for n, _ in calls] == [1, 1, 2, 4] + [1, 2, 4, 4, 2, 1, 1, 2, 4]
+    assert [at for _, at in calls] == list(range(10, 10 + len(calls)))
+    assert {n: len(t) for n, t in times.items()} == {1: 3, 2: 3, 4: 3}
+
+
 def test_a_drafter_that_is_never_right_is_switched_off_after_three_steps():
     """Nothing accepted: 3 steps of evidence suffice; one accepted token: the usual 8."""
     from mlxspec.engine.gates import CostModel, SpeculationGate

@@ -27,20 +27,35 @@ def verify_times(
     ``context`` tokens, per width n. Each forward keeps its first token, so every call meets a
     new key length as in generation (a backend that rebuilds work per attention shape pays
     for it here, as it would in use: MLX's CUDA SDPA did, 50-70 ms a call). One untimed
-    1-token forward warms up first; ``warmup_each`` adds an untimed forward before every
-    width's reps."""
+    1-token forward warms up first; ``warmup_each`` adds an untimed forward of every width
+    before timing.
+
+    The reps are taken in rounds, each round one forward of every width (in turn forwards and
+    backwards), not all reps of one width and then the next: a busy host slows a stretch of
+    seconds, and timed width by width that stretch bent the curve (one 8B run put verify(5) at
+    1.62x a token, the next at 2.15x, and the gate drafted to the bent curve). Interleaved,
+    every width sees the same stretches."""
     state = ModelState(model)
     state.prefill([(7 * i) % vocab for i in range(context)])
-    times: dict[int, list[float]] = {}
-    for n in (1,) + tuple(widths):  # the first 1-token run warms up
+    order = tuple(dict.fromkeys((1,) + tuple(widths)))
+
+    def forward(n: int) -> float:
         tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
+        t0 = time.perf_counter()
+        mx.eval(state.forward(tokens))
+        seconds = time.perf_counter() - t0
+        state.rollback_to(state.length - n + 1)  # keep the first token: the cache grows
+        state.commit()
+        return seconds
 
-        def keep_first_token():
-            state.rollback_to(state.length - n + 1)
-            state.commit()
-
-        times[n] = call_times(lambda: mx.eval(state.forward(tokens)), reps, warmup=int(warmup_each),
-                              after=keep_first_token)
+    forward(1)  # warms up
+    if warmup_each:
+        for n in order:
+            forward(n)
+    times: dict[int, list[float]] = {n: [] for n in order}
+    for rep in range(reps):
+        for n in (order if rep % 2 == 0 else order[::-1]):
+            times[n].append(forward(n))
     return times
 
 
