@@ -126,12 +126,12 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
 def test_kernels_are_off_without_cuda_or_when_switched_off(monkeypatch):
     if not kernels.cuda():
         assert not kernels.active()
-        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "qmm_groups": 0, "attention_modules": 0}
+        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
     monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
     assert kernels.active()
     monkeypatch.setenv(kernels.ENV, "0")
     assert not kernels.active()
-    assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "qmm_groups": 0, "attention_modules": 0}
+    assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
 
 
 def test_gated_delta_update_is_mlx_lms_off_cuda():
@@ -362,7 +362,7 @@ def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch):
     for module in (qwen3_5, qwen3_next):
         monkeypatch.setattr(module, "gated_delta_update", module.gated_delta_update)
     monkeypatch.setattr(kernels, "active", lambda: True)
-    assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "qmm_groups": 0, "attention_modules": 1}
+    assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "attention_modules": 1}
     assert qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention
 
     # a Qwen3.5 hybrid's full-attention layers come from qwen3_next; llama's from llama

@@ -161,39 +161,6 @@ def test_small_m_qmm_matches_mlx(bits, group_size, dtype):
            mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=bits), tol)
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_stacked_matmul_equals_each_matrix_alone(dtype):
-    """q/k/v stacked (kernels/qmm_groups.py): each output bit for bit what the kernel gives that
-    matrix alone, contiguous, for every row count; boundaries inside a warp's 4 columns too."""
-    mx.random.seed(3)
-    K = 1024
-    sizes = (1000, 250, 250)  # boundaries at 1000 and 1250: not multiples of the 4 columns a warp takes
-    w, scales, biases = mx.quantize(mx.random.normal((sum(sizes), K)).astype(dtype), group_size=64, bits=4)
-    for rows in range(1, 9):
-        x = mx.random.normal((1, rows, K)).astype(dtype)
-        outs = qmm.stacked_matmul(x, w, scales, biases, (1000, 1250), group_size=64, bits=4)
-        lo = 0
-        for size, y in zip(sizes, outs):
-            alone = qmm.quantized_matmul(x, w[lo:lo + size], scales[lo:lo + size], biases[lo:lo + size],
-                                         group_size=64, bits=4)
-            assert y.shape == (1, rows, size) and mx.array_equal(y, alone), (rows, size)
-            lo += size
-
-
-def test_stacked_siblings_keep_a_forwards_outputs(monkeypatch):
-    from mlxspec.bench.synthetic import random_model
-    from mlxspec.kernels import qmm_groups
-
-    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)  # the smoke shape's matrices are small
-    model = random_model("smoke", bits=4)
-    stacked = [m for _, m in model.named_modules() if isinstance(m, qmm_groups.StackedQuantizedLinear)]
-    assert stacked
-    tokens = mx.array([[5, 17, 300, 2]])
-    on = model(tokens)
-    monkeypatch.setenv(kernels.ENV, "0")
-    _close(on, model(tokens), 2e-2)
-
-
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):
     from mlxspec.bench.synthetic import random_model
 

@@ -22,8 +22,8 @@ def install(model: nn.Module) -> dict:
     verify attention through the CUDA kernels where they are active; a no-op elsewhere.
     Returns what it did."""
     if not active():
-        return {"gdn": False, "qmm_layers": 0, "qmm_groups": 0, "attention_modules": 0}
-    from . import attention, gdn, qmm, qmm_groups
+        return {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
+    from . import attention, gdn, qmm
 
-    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model), "qmm_groups": qmm_groups.install(model),
+    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model),
             "attention_modules": attention.install(model)}

@@ -72,9 +72,7 @@ template <> __device__ inline void load_floats<__half, 4>(const __half* p, float
 """
 
 _SOURCE = """
-    // x: [M, K]; w: [N, K * Bits / 32] uint32; scales, biases: [N, K / GS]; y: M * N values.
-    // The columns may be up to three stacked matrices (q/k/v, gate/up: boundaries S1 <= S2 <= N);
-    // each one's [M, n] block is written contiguously, so its output is a view, not a copy.
+    // x: [M, K]; w: [N, K * Bits / 32] uint32; scales, biases: [N, K / GS]; y: [M, N]
     // A warp computes Cols adjacent output columns for all M rows: each x chunk it loads
     // serves Cols columns, and the Cols weight loads of a step are in flight together.
     constexpr int VPW = 32 / Bits;       // values per packed uint32
@@ -84,8 +82,6 @@ _SOURCE = """
     const int K = dims[1];
     const int N = dims[2];
     const int GS = dims[3];
-    const int S1 = dims[4];
-    const int S2 = dims[5];
     const int col0 = ((blockIdx.x * blockDim.x + threadIdx.x) / 32) * Cols;
     const int lane = threadIdx.x % 32;
     if (col0 >= N) {
@@ -148,11 +144,8 @@ _SOURCE = """
                 for (int off = 16; off > 0; off >>= 1) {
                     total += __shfl_xor_sync(0xffffffff, total, off);
                 }
-                const int col = col0 + c;
-                if (lane == 0 && col < N) {
-                    const int lo = col >= S2 ? S2 : (col >= S1 ? S1 : 0);
-                    const int hi = col >= S2 ? N : (col >= S1 ? S2 : S1);
-                    y[(size_t)lo * M + (size_t)m * (hi - lo) + (col - lo)] = static_cast<InT>(total);
+                if (lane == 0 && col0 + c < N) {
+                    y[(size_t)m * N + col0 + c] = static_cast<InT>(total);
                 }
             }
         }
@@ -193,34 +186,20 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      group_size: int, bits: int) -> mx.array:
     """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` for x of at most
     :data:`MAX_ROWS` rows (all leading axes together)."""
-    (y,) = stacked_matmul(x, w, scales, biases, (), group_size=group_size, bits=bits)
-    return y
-
-
-def stacked_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, bounds: tuple[int, ...], *,
-                   group_size: int, bits: int) -> list[mx.array]:
-    """x times stacked matrices in one call: ``w``'s rows split at ``bounds`` (at most two
-    offsets) into matrices that read the same input, as q/k/v or gate/up do. Returns one
-    output per matrix, each contiguous; a matrix's output equals ``quantized_matmul`` with it
-    alone, bit for bit (columns are computed independently)."""
     K = x.shape[-1]
     N = w.shape[0]
     rows = x.size // K
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"small-M quantized matmul takes 1..{MAX_ROWS} rows, got {rows}")
-    if len(bounds) > 2 or list(bounds) != sorted(bounds) or any(not 0 < b < N for b in bounds):
-        raise ValueError(f"at most two increasing split points inside 0..{N}, got {bounds}")
-    s1, s2 = (tuple(bounds) + (N, N))[:2]
     (y,) = _kernel()(
-        inputs=[x.reshape(rows, K), w, scales, biases, int_array(rows, K, N, group_size, s1, s2)],
+        inputs=[x.reshape(rows, K), w, scales, biases, int_array(rows, K, N, group_size)],
         template=[("Bits", bits), ("MaxM", _bucket(rows)), ("Cols", COLS), ("InT", x.dtype)],
         grid=(32 * -(-N // COLS), 1, 1),
         threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(rows * N,)],
+        output_shapes=[(rows, N)],
         output_dtypes=[x.dtype],
     )
-    edges = (0, *bounds, N)
-    return [y[lo * rows:hi * rows].reshape(*x.shape[:-1], hi - lo) for lo, hi in zip(edges, edges[1:])]
+    return y.reshape(*x.shape[:-1], N)
 
 
 def _use(module, x: mx.array) -> bool:
