@@ -6,9 +6,11 @@ round-robin so the machine's drift hits every variant alike:
 - ``no-attn``: verify attention returns its queries (no attention work at 2+ rows);
 - ``no-qmm``: the small-M matmuls return zeros (no matmul work at 2..8 rows, lm_head too);
 - ``neither``: both skipped: what the rest of the forward (norms, RoPE, casts, host) costs;
-- ``stock``: MLXSPEC_KERNELS=0, MLX's own kernels.
+- ``stock``: MLXSPEC_KERNELS=0, MLX's own kernels;
+- ``colsN``: as shipped, with the small-M kernel computing N output columns a warp (1, 2, 8;
+  shipped: qmm.COLS).
 
-    python benchmarks/diag_verify_parts.py SHAPE [ROUNDS] [OUT.json]
+    python benchmarks/diag_verify_parts.py SHAPE [ROUNDS] [OUT.json] [VARIANT,...]
 """
 
 import json
@@ -25,7 +27,7 @@ from mlxspec.engine.costs import verify_times
 from mlxspec.kernels import ENV, attention, qmm
 
 WIDTHS = (2, 4)
-REAL = {"attn": attention.verify_attention, "qmm": qmm._matmul}
+REAL = {"attn": attention.verify_attention, "qmm": qmm._matmul, "cols": qmm.COLS}
 
 
 def skip_attn(queries, keys, values, scale, mask):
@@ -39,6 +41,7 @@ def skip_qmm(module, x):
 def variant(name: str) -> None:
     attention.verify_attention = skip_attn if name in ("no-attn", "neither") else REAL["attn"]
     qmm._matmul = skip_qmm if name in ("no-qmm", "neither") else REAL["qmm"]
+    qmm.COLS = int(name[4:]) if name.startswith("cols") else REAL["cols"]
     if name == "stock":
         os.environ[ENV] = "0"
     else:
@@ -50,7 +53,7 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 8
     model = random_model(shape, bits=4)
     vocab = vocab_size(shape)
-    names = ["full", "no-attn", "no-qmm", "neither", "stock"]
+    names = sys.argv[4].split(",") if len(sys.argv) > 4 else ["full", "no-attn", "no-qmm", "neither", "stock"]
     samples = {name: {n: [] for n in (1,) + WIDTHS} for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
