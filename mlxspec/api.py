@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
+from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
 from .engine.speculate import SpeculativeDecoder, resolve_drafter
@@ -26,6 +27,7 @@ from .options import (
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     DRAFTERS,
+    ConstraintSpec,
     check_choice,
     check_values,
 )
@@ -44,6 +46,11 @@ class GenerationRequest:
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
     seed: int | None = None
+    # logprobs: None off, 0 the chosen token's log-probability, n (<= 20) also the top n
+    # alternatives (Chunk.logprobs / Result.logprobs); constraint: what the output must match
+    # (JSON, a JSON schema, a regex, a grammar), enforced on every token, speculation on or off
+    logprobs: int | None = None
+    constraint: ConstraintSpec | None = None
     # speculation: the drafter; a fixed depth, or the adaptive depth's cap (None: per drafter);
     # gates switch speculation off where it does not pay
     drafter: str = "auto"
@@ -74,7 +81,9 @@ class GenerationRequest:
         check_choice("drafter", self.drafter, DRAFTERS)
         check_values({"max_tokens": self.max_tokens})
         self.sampling.validate()
-        check_values({"depth": self.depth})
+        check_values({"depth": self.depth, "logprobs": self.logprobs})
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise UsageError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
 
     @property
     def sampling(self) -> SamplingParams:
@@ -83,11 +92,13 @@ class GenerationRequest:
 
 @dataclass
 class Chunk:
-    """What ``stream`` yields: the new text and tokens, and the running stats."""
+    """What ``stream`` yields: the new text and tokens, and the running stats; with
+    ``logprobs`` requested, one TokenLogprob per token of ``tokens`` (else None)."""
 
     text: str
     tokens: list[int]
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -97,9 +108,13 @@ class Result:
     stats: Stats
     finish_reason: str | None = None
     prompt_tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when requested
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "stats": self.stats.to_dict()}
+
+
+DRAFTER_PARTS = {"draft": "draft model", "mtp": "MTP head", "assistant": "Gemma-4 assistant"}
 
 
 class SpecModel:
@@ -116,6 +131,7 @@ class SpecModel:
         # earlier prompts' caches: a request sharing a prefix with one prefills only the rest
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._fixed: bool | None = None  # see _fixed_state
+        self._grammar_tokenizer = None  # llguidance's view of the vocabulary, built on first use
 
     def verify_cost(self, on_status: Callable[[str], None] | None = None):
         """Measured cost of verifying 1..16 tokens with this model: the curve stored for this
@@ -136,7 +152,7 @@ class SpecModel:
         return self._cost
 
     def draft_cost(self, drafter: str, on_status: Callable[[str], None] | None = None) -> float:
-        """One step of ``drafter`` ("draft" or "mtp") relative to one target forward, timed
+        """One step of ``drafter`` ("draft", "mtp" or "assistant") relative to one target forward, timed
         now (once per load, announced to ON_STATUS) and added to the stored record. The weight
         bytes guess the drafters fall back on missed by 4x: a Qwen3-0.6B-shaped draft step
         cost 0.6 of a Qwen3-8B-shaped forward on CUDA against 0.15 by bytes, and the gates kept
@@ -146,7 +162,7 @@ class SpecModel:
             from .tuning.storage import save_draft_cost
 
             if on_status:
-                on_status(f"timing the {'draft model' if drafter == 'draft' else 'MTP head'} (once per model)")
+                on_status(f"timing the {DRAFTER_PARTS.get(drafter, drafter)} (once per model)")
             cost = draft_step_cost(self, drafter, context=128, reps=3)
             self._draft_costs[drafter] = cost
             save_draft_cost(self.target, drafter, cost, self.draft)
@@ -180,6 +196,30 @@ class SpecModel:
             # now, on this thread's stream: a lazy cast evaluated by another thread (the
             # server's worker) fails there
             mx.eval(module.parameters())
+
+    def grammar_tokenizer(self):
+        """llguidance's view of the vocabulary (built on first use, about 1 s for 150k tokens)."""
+        if self._grammar_tokenizer is None:
+            from .compat import hf_tokenizer
+            from .engine.constraints import grammar_tokenizer
+
+            self._grammar_tokenizer = grammar_tokenizer(hf_tokenizer(self.tokenizer), self.tokenizer.eos_token_id)
+        return self._grammar_tokenizer
+
+    def constraint(self, spec: ConstraintSpec):
+        """SPEC compiled for this model: a fresh automaton for one request (UsageError for a
+        schema, regex or grammar llguidance refuses)."""
+        from .engine.constraints import TokenConstraint
+
+        return TokenConstraint(spec, self.grammar_tokenizer(), self.target.vocab_size)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (logprobs show them): exact from llguidance's vocabulary; from
+        decoding it alone where that tokenizer cannot be built."""
+        try:
+            return self.grammar_tokenizer().decode_bytes([token])
+        except UsageError:
+            return self.tokenizer.decode([token]).encode()
 
     @property
     def _fixed_state(self) -> bool:
@@ -281,6 +321,8 @@ class SpecModel:
         if checkpoints is None and r.reuse:
             checkpoints = self.reuse_points(prompt, prompt_ids, system=r.system, raw=r.raw, tools=r.tools,
                                             template_kwargs=r.template_kwargs)
+        constraint = self.constraint(r.constraint) if r.constraint is not None else None
+        logprobs: list[TokenLogprob] | None = [] if r.logprobs is not None else None
         yield from self._text_chunks(self._decoder(r).generate(
             prompt_ids,
             sampling=r.sampling,
@@ -291,7 +333,10 @@ class SpecModel:
             checkpoints=checkpoints or (),
             prefill_step=r.prefill_step,
             on_prefill=r.on_prefill,
-        ))
+            constraint=constraint,
+            logprobs=r.logprobs,
+            on_logprobs=logprobs.extend if logprobs is not None else None,
+        ), logprobs)
 
     def _decoder(self, request: GenerationRequest) -> SpeculativeDecoder:
         """The engine for REQUEST's drafter and depth, with this machine's measured costs."""
@@ -315,7 +360,7 @@ class SpecModel:
 
             # `mlxspec tune` or an earlier run timed this drafter's step here
             draft_cost = stored_draft_cost(self.target, name, self.draft)
-            if draft_cost is None and name in ("draft", "mtp"):
+            if draft_cost is None and name in ("draft", "mtp", "assistant"):
                 draft_cost = self.draft_cost(name, request.on_status)
         return SpeculativeDecoder(
             self.target.model,
@@ -336,7 +381,8 @@ class SpecModel:
         from .tuning.choice import choose
         from .tuning.storage import load_result, model_info
 
-        available = ["pld"] + (["draft"] if self.draft else []) + (["mtp"] if head is not None else [])
+        given = [resolve_drafter("auto", self.draft.model, None)] if self.draft else []  # draft / assistant
+        available = ["pld"] + given + (["mtp"] if head is not None else [])
         draft_key = model_info(self.draft)["key"] if self.draft else None
         choice = choose(load_result(self.target), request.drafter, name, available, draft_key)
         if choice.note and request.on_note:
@@ -344,9 +390,10 @@ class SpecModel:
         caps = [k for k in (request.max_depth, choice.max_depth) if k]
         return choice.drafter, min(caps) if caps else None
 
-    def _text_chunks(self, steps) -> Iterator[Chunk]:
+    def _text_chunks(self, steps, logprobs: list[TokenLogprob] | None = None) -> Iterator[Chunk]:
         """The decoder's (tokens, stats) steps as Chunks of text; the end-of-text tokens are
-        kept in ``tokens`` but not detokenized."""
+        kept in ``tokens`` but not detokenized. LOGPROBS (None: not asked for) is filled by the
+        decoder before each step and emptied into that step's chunk."""
         detok = self.tokenizer.detokenizer
         detok.reset()
         stats = None
@@ -355,11 +402,15 @@ class SpecModel:
                 if t in self.tokenizer.eos_token_ids:
                     continue
                 detok.add_token(t)
-            yield Chunk(text=detok.last_segment, tokens=tokens, stats=stats)
+            step = None
+            if logprobs is not None:
+                step = logprobs[:]
+                logprobs.clear()
+            yield Chunk(text=detok.last_segment, tokens=tokens, stats=stats, logprobs=step)
         detok.finalize()
         tail = detok.last_segment
         if tail and stats is not None:
-            yield Chunk(text=tail, tokens=[], stats=stats)
+            yield Chunk(text=tail, tokens=[], stats=stats, logprobs=None if logprobs is None else [])
 
     def check_context(self, prompt_tokens: int, max_tokens: int) -> int:
         """Refuse a prompt the model's context cannot hold; cut max_tokens to what is left."""
@@ -375,12 +426,17 @@ class SpecModel:
         """Run to completion; returns text, tokens and stats. Arguments as :meth:`stream`'s."""
         parts: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
         stats = Stats()
         for chunk in self.stream(prompt, request, **options):
             parts.append(chunk.text)
             tokens.extend(chunk.tokens)
             stats = chunk.stats
-        return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason)
+            if chunk.logprobs is not None:
+                logprobs = logprobs if logprobs is not None else []
+                logprobs.extend(chunk.logprobs)
+        return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason,
+                      logprobs=logprobs)
 
 
 def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> SpecModel:
@@ -390,11 +446,15 @@ def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROM
     draft = None
     if draft_model is not None:
         from .engine.drafters.draft_model import check_compatible
+        from .models.gemma4_assistant import Gemma4Assistant, check_pair
 
         try:
             draft = load_model(draft_model)
         except (ModelNotFoundError, InvalidCheckpointError) as err:  # say which of the two models
             text = str(err)
             raise type(err)(f"draft {text}" if text.startswith("model ") else f"draft model: {text}") from None
-        check_compatible(target, draft)
+        if isinstance(draft.model, Gemma4Assistant):  # drafts from the target's own cache
+            check_pair(target.model, draft.model)
+        else:
+            check_compatible(target, draft)
     return SpecModel(target, draft, prompt_cache_bytes)

@@ -59,3 +59,29 @@ def drop_ssm_mask(text_model) -> None:
     if not hasattr(text_model, "ssm_idx"):
         raise AttributeError(f"{type(text_model).__name__} has no ssm_idx")
     text_model.ssm_idx = None
+
+
+def hf_tokenizer(wrapper) -> Any:
+    """The Hugging Face tokenizer inside an mlx-lm ``TokenizerWrapper`` (its private
+    ``_tokenizer``; anything else is returned as is): llguidance reads its vocabulary."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return wrapper._tokenizer if isinstance(wrapper, TokenizerWrapper) else wrapper
+
+
+def final_softcap(lm) -> Callable | None:
+    """The logit soft-cap LM (a text model with ``final_logit_softcapping``, as Gemma's) applies
+    after its head, as its mlx-lm module computes it (gemma3n/gemma4_text: a compiled
+    ``logit_softcap``), so logits made from the split trunk equal the model's own; None if none."""
+    import sys
+    from functools import partial
+
+    cap = getattr(lm, "final_logit_softcapping", None)
+    if not cap:
+        return None
+    fn = getattr(sys.modules.get(type(lm).__module__), "logit_softcap", None)
+    if fn is not None:
+        return partial(fn, cap)
+    import mlx.core as mx
+
+    return lambda x: mx.tanh(x / cap) * cap

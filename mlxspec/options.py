@@ -7,16 +7,20 @@ No mlx import here: the CLI reads this module before any model is loaded, and st
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from .errors import MlxspecError, UsageError
 
-DRAFTERS = ("auto", "pld", "draft", "mtp", "none")
+# "assistant" is its own name, not "draft": Gemma 4's assistant is not a model of its own that
+# --drafter draft could run (it reads the target's cache and hidden state), and a name users
+# see in stats and `mlxspec tune` says which of the two drafted
+DRAFTERS = ("auto", "pld", "draft", "mtp", "assistant", "none")
 REASONING_MODES = ("on", "off", "auto")  # a thinking model's chat-template switch
 
 # draft depth: tokens drafted per speculative step
 MIN_DEPTH, MAX_DEPTH = 1, 16
 # cap of the adaptive depth per drafter when none is asked for; the presets use the same caps
-DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4}
+DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4, "assistant": 6}
 FALLBACK_MAX_DEPTH = 4  # a drafter not listed above
 
 # sampling defaults: greedy, no filter
@@ -42,6 +46,21 @@ DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
 DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
 DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SIGTERM, then cancelled
+# the Ollama surface's sampling when a request's options leave it out: Ollama's own defaults,
+# which its clients expect (the OpenAI surface's are OpenAI's)
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0}
+
+# log-probabilities per generated token: None off, 0 the chosen token's, n also the top n
+# alternatives (OpenAI's top_logprobs limit)
+MAX_TOP_LOGPROBS = 20
+
+# constrained output: what the answer must match (ConstraintSpec.kind -> what its value is)
+CONSTRAINT_KINDS = {
+    "json": "no value (any JSON object)",
+    "json_schema": "a JSON schema object",
+    "regex": "a regular expression string",
+    "grammar": "a Lark grammar string",
+}
 
 # the command-line names of `mlxspec run`'s options (bench shares --temp): the first is the one
 # messages use; the others are what mlx-lm (mlx_lm.generate) and llm users type
@@ -51,6 +70,8 @@ FLAGS = {
     "max_tokens": ("--max-tokens", "-n"),
     "system": ("--system", "--system-prompt"),
     "raw": ("--raw", "--ignore-chat-template"),
+    "json_schema": ("--json-schema",),
+    "regex": ("--regex",),
 }
 
 # option: (whether a value is allowed, what it must be); the second reads after "must be"
@@ -63,6 +84,7 @@ LIMITS = {
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "logprobs": (lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}"),
 }
 
 
@@ -82,3 +104,25 @@ def check_choice(what: str, value, choices) -> None:
     """Refuse a name that is not one of CHOICES (drafters, reasoning modes, presets...)."""
     if value not in choices:
         raise UsageError(f"unknown {what} '{value}'; choose one of {', '.join(choices)}")
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What the generated text must match: ``kind`` is one of CONSTRAINT_KINDS ("json": any JSON
+    object; "json_schema": VALUE is the schema dict; "regex": VALUE is a pattern; "grammar":
+    VALUE is a Lark grammar). Checked when built (UsageError); compiled per request by the engine."""
+
+    kind: str
+    value: object = None
+
+    def __post_init__(self) -> None:
+        check_choice("constraint", self.kind, tuple(CONSTRAINT_KINDS))
+        ok = {
+            "json": self.value is None,
+            "json_schema": isinstance(self.value, dict),
+            "regex": isinstance(self.value, str) and self.value != "",
+            "grammar": isinstance(self.value, str) and self.value.strip() != "",
+        }[self.kind]
+        if not ok:
+            raise UsageError(f"a {self.kind} constraint takes {CONSTRAINT_KINDS[self.kind]}, "
+                             f"got {type(self.value).__name__}")

@@ -3,11 +3,13 @@
 ========  ========  =========  =====  =====================================================
 preset    drafter   max depth  gates  use
 ========  ========  =========  =====  =====================================================
-auto      (chosen)  (chosen)   on     draft model if given and it fits, else the model's MTP
-                                      head, else prompt lookup
+auto      (chosen)  (chosen)   on     draft model if given and it fits (a Gemma-4 target's
+                                      assistant also when found beside it), else the
+                                      model's MTP head, else prompt lookup
 mtp       mtp       4          on     the model's own multi-token-prediction head
 pld       pld       8          on     prompt lookup: free, wins on repetitive / quoting text
 draft     draft     6          on     a small draft model sharing the tokenizer (--draft-model)
+assistant assistant 6          on     Gemma 4's assistant drafter (given, or <target>-assistant)
 off       none      -          off    plain decoding, no speculation
 ========  ========  =========  =====  =====================================================
 
@@ -51,6 +53,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("pld", "pld", DEFAULT_MAX_DEPTH["pld"], True, "prompt lookup: free drafts copied from the context"),
     Preset("draft", "draft", DEFAULT_MAX_DEPTH["draft"], True,
            "a small draft model sharing the tokenizer (needs --draft-model)"),
+    Preset("assistant", "assistant", DEFAULT_MAX_DEPTH["assistant"], True,
+           "a Gemma-4 target's assistant drafter (--draft-model, or <target>-assistant in the cache)"),
     Preset("off", "none", None, False, "plain decoding, no speculation"),
 )}
 
@@ -68,6 +72,8 @@ class ModelCaps:
     mtp_why_not: str | None = None
     draft_name: str | None = None
     draft_bytes: int | None = None
+    draft_is_assistant: bool = False  # the draft model is a Gemma-4 assistant
+    draft_found: str | None = None  # a reference to the assistant found beside the target (none given)
 
 
 def folder_bytes(path: Path) -> int | None:
@@ -79,10 +85,32 @@ def folder_bytes(path: Path) -> int | None:
         return None
 
 
-def model_caps(model: str | None, draft_model: str | None = None, look_for_mtp: bool = True) -> ModelCaps:
-    """ModelCaps for a model reference (and an optional draft model reference)."""
+def assistant_beside(path: Path, name: str) -> tuple[Path, str] | None:
+    """The assistant of the Gemma-4 target at PATH (called NAME), when one is on disk: the repo
+    ``NAME-assistant`` in the Hugging Face cache, or a folder ``<folder>-assistant`` next to
+    the target's; None otherwise (or when PATH is no Gemma-4 target)."""
+    from .models.gemma4_pairs import ASSISTANT_SUFFIX, is_assistant_folder, is_gemma4_target, read_config
+    from .models.loader import resolve_model
+
+    if not is_gemma4_target(read_config(path)):
+        return None
+    path = Path(path)
+    # a local folder: <folder>-assistant next to it; a cached repo (.../snapshots/<hash>): NAME-assistant
+    ref = str(path.parent / (path.name + ASSISTANT_SUFFIX)) if path.name == name else name + ASSISTANT_SUFFIX
+    try:
+        found, found_name, _ = resolve_model(ref)
+    except MlxspecError:
+        return None
+    return (found, found_name) if is_assistant_folder(found) else None
+
+
+def model_caps(model: str | None, draft_model: str | None = None, look_for_mtp: bool = True,
+               look_for_assistant: bool = True) -> ModelCaps:
+    """ModelCaps for a model reference (and an optional draft model reference; without one, a
+    Gemma-4 target's assistant found beside it when ``look_for_assistant``)."""
     import json
 
+    from .models.gemma4_pairs import is_assistant_folder
     from .models.loader import resolve_model
 
     path, name, _ = resolve_model(model)
@@ -94,6 +122,13 @@ def model_caps(model: str | None, draft_model: str | None = None, look_for_mtp: 
             text = str(err)
             raise ModelNotFoundError(f"draft {text}" if text.startswith("model ") else f"draft model: {text}") from None
         caps.draft_bytes = folder_bytes(dpath)
+        caps.draft_is_assistant = is_assistant_folder(dpath)
+    elif look_for_assistant:
+        found = assistant_beside(path, name)
+        if found is not None:
+            dpath, caps.draft_name = found
+            caps.draft_found = str(dpath)
+            caps.draft_bytes, caps.draft_is_assistant = folder_bytes(dpath), True
     if not look_for_mtp:
         caps.mtp_why_not = "not looked for"
         return caps
@@ -137,11 +172,13 @@ def choose(profile: Profile, caps: ModelCaps) -> tuple[Preset, list[str]]:
     pick = None
     if caps.draft_name is not None:
         fits, numbers = draft_fits(profile, caps)
+        what = "Gemma-4 assistant" if caps.draft_is_assistant else "draft model"
+        how = "found beside the target" if caps.draft_found else "given"
         if fits:
-            pick = PRESETS["draft"]
-            reasons.append(f"draft model {caps.draft_name} given and fits ({numbers})")
+            pick = PRESETS["assistant" if caps.draft_is_assistant else "draft"]
+            reasons.append(f"{what} {caps.draft_name} {how} and fits ({numbers})")
         else:
-            reasons.append(f"draft model {caps.draft_name} refused: {numbers}")
+            reasons.append(f"{what} {caps.draft_name} refused: {numbers}")
     if pick is None and caps.has_mtp_head:
         pick = PRESETS["mtp"]
         reasons.append("the model has an MTP head")
@@ -164,7 +201,12 @@ def resolve(name: str, profile: Profile | None = None, caps: ModelCaps | None = 
             return PRESETS["auto"], []
         return choose(profile, caps)
     preset = PRESETS[name]
-    if name == "draft":
+    if name == "assistant" and (caps is None or not caps.draft_is_assistant):
+        raise UsageError("--preset assistant needs a Gemma-4 assistant: --draft-model PATH_OR_REPO, "
+                         "or <target>-assistant in the Hugging Face cache")
+    if name == "draft" and caps is not None and caps.draft_is_assistant and not caps.draft_found:
+        raise UsageError("the draft model is a Gemma-4 assistant: use --preset assistant (or auto)")
+    if name in ("draft", "assistant"):
         if caps is None or caps.draft_name is None:
             raise UsageError("--preset draft needs --draft-model PATH_OR_REPO")
         if profile is not None:
@@ -200,14 +242,26 @@ def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: s
     ``drafter_given``: DRAFTER was asked for explicitly, so it wins over the preset's."""
     profile = hardware.detect(fast=True)
     caps = None
+    # a Gemma-4 target's assistant beside it is used where auto (or the assistant) is asked for
+    look = draft_model is None and (preset in ("auto", "assistant") or
+                                    (preset is None and drafter in ("auto", "assistant")))
     with contextlib.suppress(MlxspecError):  # an unknown model fails with its own message when loaded
-        caps = model_caps(model, draft_model, look_for_mtp=preset == "auto")
+        caps = model_caps(model, draft_model, look_for_mtp=preset == "auto", look_for_assistant=look)
     chosen = reasons = None
+    notes, load_bytes, options = [], None, {}
     if preset is not None:
         chosen, reasons = resolve(preset, profile, caps or ModelCaps(draft_name=draft_model))
-        if preset == "auto" and chosen.drafter != "draft" and caps is not None:
+        if preset == "auto" and chosen.drafter not in ("draft", "assistant") and caps is not None:
             caps = replace(caps, draft_bytes=None)  # a refused draft model will not be loaded
-    notes, load_bytes, options = [], None, {}
+    if caps is not None and caps.draft_found and caps.draft_bytes:
+        fits, numbers = draft_fits(profile, caps)
+        if preset is not None or fits:
+            draft_model = caps.draft_found
+            if preset is None:
+                notes.append(f"drafting with the Gemma-4 assistant {caps.draft_name} found beside the target")
+        else:
+            notes.append(f"the Gemma-4 assistant {caps.draft_name} found beside the target is not used: {numbers}")
+            caps = replace(caps, draft_bytes=None)
     if caps is not None and caps.model_bytes:
         load_bytes = caps.model_bytes + (caps.draft_bytes or 0)
         name = caps.name if not caps.draft_bytes else f"{caps.name} with its draft model"
@@ -225,7 +279,7 @@ def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: s
             # the engine's auto picks what choose() did (draft model kept, else MTP head, else
             # prompt lookup), unless `mlxspec tune` rated another drafter faster on this machine
             drafter = "auto"
-            if chosen.drafter != "draft":
+            if chosen.drafter not in ("draft", "assistant"):
                 draft_model = None  # refused (or not needed): do not load it
         else:
             if chosen.max_depth:  # a cap: a depth `mlxspec tune` chose below it is kept

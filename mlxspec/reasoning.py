@@ -22,6 +22,17 @@ def template_kwargs(mode: str) -> dict:
     return {} if mode == "auto" else {"enable_thinking": mode == "on"}
 
 
+def constrained_mode(mode: str | None) -> str:
+    """The reasoning mode of a request with constrained output (a JSON schema, a regex, a
+    forced tool call): the constraint holds from the answer's first token, so reasoning is off
+    unless asked for, and asked for it is refused (ValueError): the constraint would hold the
+    reasoning to the schema too."""
+    if mode == "on":
+        raise ValueError("constrained output holds from the first token and cannot follow reasoning: "
+                         "turn reasoning off for this request")
+    return "off"
+
+
 def starts_in_reasoning(tokenizer, prompt_ids) -> bool:
     """Whether the prompt ends inside an unclosed ``<think>``, so generation begins in reasoning.
 

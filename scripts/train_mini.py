@@ -149,14 +149,16 @@ class Mini(nn.Module):
 # Training
 
 
-def _batches(data: torch.Tensor, batch: int, length: int, gen: torch.Generator):
+def batches(data: torch.Tensor, batch: int, length: int, gen: torch.Generator):
     span = torch.arange(length + 1, device=data.device)
     while True:
         starts = torch.randint(0, len(data) - length - 1, (batch,), generator=gen, device="cpu")
         yield data[starts.to(data.device)[:, None] + span].long()
 
 
-def _lr(step: int, total: int, peak: float, warmup: int = 100) -> float:
+def learning_rate(step: int, total: int, peak: float, warmup: int = 100) -> float:
+    """Linear warm-up (at most a tenth of a short run), then cosine decay to 10% of PEAK."""
+    warmup = min(warmup, max(1, total // 10))
     if step < warmup:
         return peak * (step + 1) / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -171,7 +173,7 @@ def evaluate(model: Mini, data: torch.Tensor, length: int, n: int = 64, batch: i
     span = torch.arange(length + 1, device=data.device)
     for i in range(0, n, batch):
         s = torch.as_tensor(starts[i : i + batch], device=data.device)
-        with _autocast(data.device):
+        with autocast(data.device):
             out = model.losses(data[s[:, None] + span].long())
         for k, v in out.items():
             sums[k] = sums.get(k, 0.0) + float(v) * len(s)
@@ -181,7 +183,7 @@ def evaluate(model: Mini, data: torch.Tensor, length: int, n: int = 64, batch: i
     return res
 
 
-def _autocast(device: torch.device):
+def autocast(device: torch.device):
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
@@ -200,7 +202,7 @@ def train(kind: str, work: Path, out: Path, minutes: float, steps: int | None, s
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(seed)
-    batches = _batches(train_data, batch, length, gen)
+    stream = batches(train_data, batch, length, gen)
     budget = minutes * 60
     total = steps or 10**9
     t0 = time.perf_counter()
@@ -208,9 +210,9 @@ def train(kind: str, work: Path, out: Path, minutes: float, steps: int | None, s
     step = 0
     while step < total:
         for g in opt.param_groups:
-            g["lr"] = _lr(step, total, lr)
-        with _autocast(device):
-            parts = model.losses(next(batches))
+            g["lr"] = learning_rate(step, total, lr)
+        with autocast(device):
+            parts = model.losses(next(stream))
             loss = parts["lm"] + MTP_WEIGHT * parts.get("mtp", 0.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()

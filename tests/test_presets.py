@@ -14,7 +14,7 @@ BIG_MAC = hardware.Profile(os="macOS", chip="Apple M4 Pro", memory_bytes=48 * Gi
 
 
 def test_table():
-    assert list(presets.PRESETS) == ["auto", "mtp", "pld", "draft", "off"]
+    assert list(presets.PRESETS) == ["auto", "mtp", "pld", "draft", "assistant", "off"]
     for p in presets.PRESETS.values():
         assert p.description and p.drafter in cli.DRAFTERS
     assert presets.PRESETS["off"].drafter == "none" and not presets.PRESETS["off"].gates

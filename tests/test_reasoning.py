@@ -294,6 +294,34 @@ def prompts(app, monkeypatch):
 OFF_TAIL, ON_TAIL = "assistant\n<think>\n\n</think>\n\n", "assistant\n<think>\n"
 
 
+def test_constrained_output_runs_with_reasoning_off(app, url, template, prompts, monkeypatch):
+    """A JSON schema, a regex or a forced tool call holds from the answer's first token: such a
+    request renders with reasoning off, and asking for reasoning with one is a 400."""
+    template(QWEN36)
+    monkeypatch.setattr(app.state.server.settings, "reasoning", "on")  # the server's default: thinking
+    fmt = {"type": "json_object"}
+    r = oai(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=40, temperature=0,
+                                         response_format=fmt)
+    assert prompts[-1].endswith(OFF_TAIL)
+    assert getattr(r.choices[0].message, "reasoning_content", None) is None
+    with pytest.raises(openai.BadRequestError, match="cannot follow reasoning"):
+        oai(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, response_format=fmt,
+                                         extra_body={"reasoning": "on"})
+    body = {"model": "tiny", "messages": HELLO, "format": "json", "stream": False}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.post(url + "/api/chat", json=body, headers=auth).status_code == 200
+    assert prompts[-1].endswith(OFF_TAIL)
+    bad = httpx.post(url + "/api/chat", json=body | {"think": True}, headers=auth)
+    assert bad.status_code == 400 and "cannot follow reasoning" in bad.json()["error"]
+
+
+def test_a_template_that_always_thinks_refuses_constrained_output(app, url, template, monkeypatch):
+    template("{% for m in messages %}{{ m.content }}{% endfor %}<|im_start|>assistant\n<think>\n")
+    with pytest.raises(openai.BadRequestError, match="starts every answer with reasoning"):
+        oai(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=4,
+                                         response_format={"type": "json_object"})
+
+
 def test_reasoning_reaches_the_template_end_to_end(spec, app, url, template, prompts, monkeypatch):
     template(QWEN36)
     monkeypatch.setattr(app.state.server.settings, "reasoning", "off")  # as `serve --reasoning off`
@@ -412,6 +440,14 @@ def test_run_prints_reasoning_piped_as_written_or_hides_it(fake):
     spec = fake("hmm\n</think>\n\nHello!", tail="<|im_start|>assistant\n<think>\n")  # the prompt opened it
     assert run().stdout == "<think>\nhmm\n</think>\n\nHello!\n"
     assert run("--hide-reasoning").stdout == "Hello!\n"
+
+
+def test_run_with_a_constraint_turns_reasoning_off(fake):
+    spec = fake("Hello")
+    run("--regex", "[A-Za-z]+")
+    assert spec.calls[-1][1]["template_kwargs"] == {"enable_thinking": False}
+    bad = run("--regex", "[a-z]+", "--reasoning", "on")
+    assert bad.exit_code == 2 and "cannot follow reasoning" in bad.stderr
 
 
 def test_run_json_and_reasoning_flag(fake):

@@ -315,10 +315,11 @@ def test_served_text_equals_mlxspec_run(tiny_qwen3, served):
     assert served_text == json.loads(ran.stdout)["text"]
 
 
-def test_logprobs_are_refused_not_ignored(served):
+def test_bad_logprobs_are_refused_not_ignored(served):
     url, _ = served
-    r = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "logprobs": True, "max_tokens": 2})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    for body in ({"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": 3}):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("logprobs", "top_logprobs"), body
 
 
 @pytest.mark.parametrize("path, body", [

@@ -4,7 +4,9 @@ scripted outputs (:mod:`mlxspec.bench.script`), so speed is measured on the path
 known in advance.
 
 Per shape, all in one process: the target, a random MTP head of the real layout and a random
-Qwen3-0.6B-shaped draft model are built; the verify-cost curve the engine's depth choice uses
+Qwen3-0.6B-shaped draft model are built (for a Gemma-4 target: its assistant, of the real
+layout, instead of both: Gemma targets have no MTP head, and mlx-lm's draft loop cannot run an
+assistant); the verify-cost curve the engine's depth choice uses
 is measured as in ``run``; forwards of 1..N tokens over a growing cache are timed for the
 ideal. Then, for each repetition, every (workload, engine, depth) cell generates once,
 interleaved. Reported per cell, median over repetitions: tok/s, speedup over mlx-lm plain on
@@ -24,7 +26,8 @@ from ..errors import UsageError
 WORKLOADS = ("echo", "novel", "scripted-a0.8", "scripted-a0.6", "scripted-a1.0")
 DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.6-27b", "qwen3.6-35b-a3b")
 DRAFT_SHAPE = "qwen3-0.6b"
-ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft")
+ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft",
+           "mlxspec-assistant")
 BASELINE = "mlx-lm"
 MLX_LM_DRAFT_DEPTH = 3  # mlx-lm-draft's num_draft_tokens, as in `mlxspec bench`
 
@@ -41,24 +44,28 @@ class Cell:
         return (self.workload, self.engine, self.depth, self.temperature)
 
 
-def plan(workloads, dense: bool, depths, temperature: float | None) -> list[Cell]:
+def plan(workloads, dense: bool, depths, temperature: float | None, assistant: bool = False) -> list[Cell]:
     """The cells of one shape: each workload's engines, forced depths at full acceptance, and
-    a seeded pass at ``temperature`` (None: none)."""
+    a seeded pass at ``temperature`` (None: none). ``assistant``: a Gemma-4 target, whose model
+    drafter is its assistant (no MTP head, no separate draft model, no mlx-lm draft loop)."""
+    drafter = "mlxspec-assistant" if assistant else "mlxspec-mtp"
     cells = []
     for w in workloads:
         cells.append(Cell(w, BASELINE))
         if w in ("echo", "novel"):
-            cells += [Cell(w, e) for e in ("mlxspec-none", "mlxspec-pld", "mlxspec-mtp")]
+            cells += [Cell(w, e) for e in ("mlxspec-none", "mlxspec-pld", drafter)]
         else:
-            cells += [Cell(w, "mlxspec-mtp"), Cell(w, "mlxspec-draft")]
-            if dense:  # mlx-lm cannot roll back the hybrids' GatedDeltaNet caches
+            cells.append(Cell(w, drafter))
+            if not assistant:
+                cells.append(Cell(w, "mlxspec-draft"))
+            if dense and not assistant:  # mlx-lm cannot roll back the hybrids' GatedDeltaNet caches
                 cells.append(Cell(w, "mlx-lm-draft"))
             if w == "scripted-a1.0":
-                cells += [Cell(w, e, d) for e in ("mlxspec-pld", "mlxspec-mtp") for d in depths]
-            elif w == "scripted-a0.8":
-                cells += [Cell(w, "mlxspec-mtp", d) for d in depths if d <= 4]
+                cells += [Cell(w, e, d) for e in ("mlxspec-pld", drafter) for d in depths]
+            elif w == "scripted-a0.8":  # the assistants are run up to block 8 elsewhere: every depth
+                cells += [Cell(w, drafter, d) for d in depths if d <= 4 or assistant]
     if temperature:
-        sampled = [("echo", "mlxspec-pld"), ("scripted-a0.8", "mlxspec-mtp")]
+        sampled = [("echo", "mlxspec-pld"), ("scripted-a0.8", drafter)]
         for w, e in sampled:
             if w in workloads:
                 cells += [Cell(w, BASELINE, None, temperature), Cell(w, e, None, temperature)]
@@ -112,6 +119,30 @@ def mtp_step_ms(head, context: int, reps: int) -> float:
     return 1e3 * statistics.median(call_times(step, reps, warmup=1))
 
 
+def assistant_step_ms(model, assistant, context: int, reps: int) -> float:
+    """Median ms of one Gemma-4 assistant draft step (its layers over the target's cache of
+    ``context`` tokens, its LM head, a greedy pick), through the drafter's own step."""
+    import mlx.core as mx
+
+    from ..engine.cache import ModelState
+    from ..engine.costs import call_times
+    from ..engine.drafters.assistant import AssistantDrafter
+
+    state = ModelState(model, keep_hidden=True)
+    rows = state.prefill([i % assistant.vocab_size for i in range(context)])
+    drafter = AssistantDrafter(assistant, model)
+    drafter.bind_target(state)
+    drafter.add_hidden(rows)
+    step = drafter.stepper(context - 1)  # each step chains on the hidden row of the one before
+    token = {"id": 0}
+
+    def one():
+        token["id"] += 1
+        mx.eval(mx.argmax(step(token["id"], mx.array([token["id"]], mx.uint32)), axis=-1))
+
+    return 1e3 * statistics.median(call_times(one, reps, warmup=1))
+
+
 # -- one generation -------------------------------------------------------------------------
 
 
@@ -135,8 +166,9 @@ class ShapeBench:
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
         from ..engine.cache import model_nbytes
         from ..engine.costs import measure_verify_cost
+        from .gemma4_shapes import GEMMA4, assistant_config
         from .script import ScriptedLogits, make_script
-        from .synthetic import MOE, random_model, random_mtp_head, shape_config, vocab_size
+        from .synthetic import MOE, random_assistant, random_model, random_mtp_head, shape_config, vocab_size
 
         say = on_step or (lambda *a: None)
         self.shape, self.max_tokens, self.seed = shape, max_tokens, seed
@@ -146,29 +178,39 @@ class ShapeBench:
         say(f"{shape}: building the target ({bits}-bit)")
         t0 = time.perf_counter()
         self.model = random_model(shape, bits=bits)
-        say(f"{shape}: building the MTP head and the draft model")
-        self.head = random_mtp_head(self.model, shape, bits=bits)
-        draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
-        self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
+        self.head = self.draft = self.assistant = None
+        if shape in GEMMA4:
+            say(f"{shape}: building the assistant")
+            self.assistant = random_assistant(self.model, assistant_config(shape), bits=bits)
+        else:
+            say(f"{shape}: building the MTP head and the draft model")
+            self.head = random_mtp_head(self.model, shape, bits=bits)
+            draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
+            self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
         self.target_logits = ScriptedLogits(self.model, [0])
-        self.draft_logits = ScriptedLogits(self.draft, [0])
+        self.draft_logits = ScriptedLogits(self.draft, [0]) if self.draft is not None else None
         say(f"{shape}: measuring the verify-cost curve (as `run` does)")
         self.cost = measure_verify_cost(self.model, vocab=vocab)
         say(f"{shape}: timing forwards over a growing cache")
         self.forward = forward_ms(self.model, range(2, widest + 1), prompt_tokens, reps, vocab)
-        draft_forward = forward_ms(self.draft, (), prompt_tokens, reps, vocab)
-        self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, prompt_tokens, reps),
-                              "mlxspec-draft": draft_forward[1]}
+        if self.assistant is not None:
+            self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-assistant": assistant_step_ms(
+                self.model, self.assistant, prompt_tokens, reps)}
+        else:
+            draft_forward = forward_ms(self.draft, (), prompt_tokens, reps, vocab)
+            self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, prompt_tokens, reps),
+                                  "mlxspec-draft": draft_forward[1]}
 
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
         import mlx.core as mx
 
         script = self.scripts[cell.workload]
         self.target_logits.table = mx.array(script.target, mx.int32)
-        self.draft_logits.table = mx.array(script.drafted, mx.int32)
+        if self.draft_logits is not None:
+            self.draft_logits.table = mx.array(script.drafted, mx.int32)
         n = max_tokens or self.max_tokens
         seed = self.seed if cell.temperature > 0 else None
         mx.synchronize()
@@ -200,10 +242,11 @@ class ShapeBench:
                    from_draft=from_draft if cell.engine == "mlx-lm-draft" else None)
 
     def _drafter(self, engine: str, script):
+        from ..engine.drafters.assistant import AssistantDrafter
         from ..engine.drafters.draft_model import DraftModelDrafter
         from ..engine.drafters.mtp import MTPDrafter
         from ..engine.drafters.pld import PromptLookupDrafter
-        from .script import SteeredLookup, SteeredMTP
+        from .script import SteeredAssistant, SteeredLookup, SteeredMTP
 
         steered = script.acceptance is not None
         # a draft step's measured cost, as `run` measures it on a machine with no tune record
@@ -216,6 +259,10 @@ class ShapeBench:
             return MTPDrafter(self.head, self.target_nbytes, cost_per_token=cost)
         if engine == "mlxspec-draft":
             return DraftModelDrafter(self.draft, self.target_nbytes, cost)  # steered by its logits
+        if engine == "mlxspec-assistant":
+            if steered:
+                return SteeredAssistant(self.assistant, self.model, script, self.target_nbytes, cost)
+            return AssistantDrafter(self.assistant, self.model, self.target_nbytes, cost)
         return "none"
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
@@ -283,7 +330,7 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
                            workloads=list(workloads), reps=reps, seed=seed,
                            widest=max(max(depths, default=1), MLX_LM_DRAFT_DEPTH, 8) + 1,
                            on_step=lambda m: say(m, si, len(shapes)))
-        cells = plan(workloads, bench.dense, depths, temperature)
+        cells = plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None)
         for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
             # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
             say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
@@ -377,7 +424,7 @@ def real_shapes_chart(doc: dict, shape: str, ax) -> None:
     """Speedup against forced depth at full acceptance (pld and mtp), with the ideal from the
     measured forwards; the engines' own choices on each workload as points at depth 0."""
     cells = [c for c in doc["cells"] if c["shape"] == shape and c["temperature"] == 0]
-    for i, engine in enumerate(("mlxspec-pld", "mlxspec-mtp")):
+    for i, engine in enumerate(("mlxspec-pld", "mlxspec-mtp", "mlxspec-assistant")):
         forced = sorted((c["depth"], c["speedup"], c["ideal"]) for c in cells
                         if c["engine"] == engine and c["workload"] == "scripted-a1.0"
                         and c["depth"] != "auto")

@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..compat import swap_class
+from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.drafters.base import Draft
 from ..engine.drafters.mtp import MTPDrafter
 from ..engine.drafters.pld import PromptLookupDrafter
@@ -183,8 +184,26 @@ class SteeredMTP(MTPDrafter):
         self.script = script
 
     def propose(self, tokens, k, sampling):
-        draft = super().propose(tokens, k, sampling)
-        if draft is None:
-            return None
-        want = mx.array(self.script.drafts(len(tokens), len(draft)), mx.uint32)
-        return Draft(draft.tokens * 0 + want, draft.logprobs)
+        return steer(super().propose(tokens, k, sampling), self.script, len(tokens))
+
+
+class SteeredAssistant(AssistantDrafter):
+    """The Gemma-4 assistant drafts for real from the target's cache (its cost is paid), then its
+    tokens become the script's."""
+
+    def __init__(self, assistant, target, script: Script, target_nbytes: int | None = None,
+                 cost_per_token: float | None = None):
+        super().__init__(assistant, target, target_nbytes, cost_per_token)
+        self.script = script
+
+    def propose(self, tokens, k, sampling):
+        return steer(super().propose(tokens, k, sampling), self.script, len(tokens))
+
+
+def steer(draft: Draft | None, script: Script, start: int) -> Draft | None:
+    """DRAFT's tokens replaced by the script's proposal from position START; the real tokens stay
+    a data dependency, so the drafting is still computed."""
+    if draft is None:
+        return None
+    want = mx.array(script.drafts(start, len(draft)), mx.uint32)
+    return Draft(draft.tokens * 0 + want, draft.logprobs)

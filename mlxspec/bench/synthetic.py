@@ -14,6 +14,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .gemma4_shapes import GEMMA4
+from .gemma4_shapes import target_config as gemma4_target_config
+
 # Dense Qwen3 shapes: hidden, layers, heads, kv heads, intermediate, head_dim, vocab, tied
 # embeddings (the real checkpoints' config.json values).
 DENSE = {
@@ -58,7 +61,8 @@ HYBRID["smoke-moe"] = dict(  # a quick check of the MoE path on a CPU
     linear_key_head_dim=64, linear_value_head_dim=64, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=64, shared_expert_intermediate_size=64, vocab_size=1024,
     tie_word_embeddings=False)
-SHAPES = tuple(DENSE) + tuple(HYBRID)
+# Gemma-4 31B and 26B-A4B (text model) and a tiny one: see gemma4_shapes.py and its sources
+SHAPES = tuple(DENSE) + tuple(HYBRID) + tuple(GEMMA4)
 MOE = ("qwen3.6-35b-a3b", "smoke-moe")
 
 
@@ -79,6 +83,8 @@ def shape_config(shape: str, vocab: int | None = None) -> dict:
         text["rope_parameters"] = {"type": "default", "mrope_section": [11, 11, 10],
                                    "rope_theta": 10000000, "partial_rotary_factor": 0.25}
         return dict(model_type="qwen3_5_moe" if moe else "qwen3_5", text_config=text)
+    if shape in GEMMA4:
+        return gemma4_target_config(shape, vocab)
     raise KeyError(shape)
 
 
@@ -121,6 +127,10 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
         from mlx_lm.models import qwen3_5_moe
 
         model, scale = qwen3_5_moe.Model(qwen3_5_moe.ModelArgs.from_dict(config)), 0.02
+    elif config["model_type"] == "gemma4_text":
+        from mlx_lm.models import gemma4_text
+
+        model, scale = gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config)), 0.02
     else:
         from mlx_lm.models import qwen3_5
 
@@ -139,10 +149,14 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
     for path, value in tree_flatten(model.parameters()):
         if outside(path):
             mx.eval(value)
+    # Gemma 4's routers at 8 bits, as mlx-lm converts them (the Qwen shapes keep their recorded rule)
+    own = model.quant_predicate if config["model_type"] == "gemma4_text" else None
+    fits = _quantizable(group_size)
+    in_layer = (lambda p, m: fits(p, m) and own(p, m)) if own else fits  # noqa: E731
     for layer in model.layers:
         _randomize(layer, scale)
         if bits:
-            nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+            nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=in_layer)
         mx.eval(layer.parameters())
     from ..kernels import install
 
@@ -178,3 +192,29 @@ def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int
     install(module)
     nbytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
     return MTPHead(module, split_trunk(model), nbytes, f"random {shape} head")
+
+
+def random_assistant(model: nn.Module, assistant_config: dict, bits: int = 4, group_size: int = 64,
+                     seed: int = 3):
+    """A Gemma-4 assistant of ``assistant_config`` (an assistant's config.json, e.g. a real
+    checkpoint's) with random weights, fitted to ``model`` (a Gemma-4 target: its hidden size
+    and vocabulary) and quantized to ``bits`` (0: none): its real draft-step cost, for timing.
+    A sparse head gets a random token ordering."""
+    import copy
+
+    from ..models.gemma4_assistant import Gemma4Assistant, check_pair, text_args
+
+    args = text_args(model)
+    config = copy.deepcopy(assistant_config)
+    config["backbone_hidden_size"] = args.hidden_size
+    config["text_config"]["vocab_size"] = args.vocab_size
+    assistant = Gemma4Assistant(config)
+    mx.random.seed(seed)
+    _randomize(assistant, 0.02)
+    if assistant.masked_embedding is not None:
+        assistant.masked_embedding.token_ordering = mx.random.permutation(args.vocab_size).astype(mx.int32)
+    if bits:
+        nn.quantize(assistant, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+    mx.eval(assistant.parameters())
+    check_pair(model, assistant)
+    return assistant

@@ -71,8 +71,8 @@ is known in advance and checked token for token. Workloads (--workloads): echo (
 prompt with an edit every ~25 tokens), novel (tokens absent from the prompt), scripted-aA (the
 drafters' proposals follow the script, each token right with probability A). Engines: mlx-lm
 plain and with a draft model (dense only), mlxspec none / pld / mtp (a random head of the real
-layout) / draft (a random Qwen3-0.6B-shaped model), with their own gates and depth, plus
-forced depths at full acceptance for the ideal curve. Per cell: tok/s, speedup over mlx-lm,
+layout) / draft (a random Qwen3-0.6B-shaped model) / assistant (Gemma-4 shapes, for mtp and draft),
+with their own gates, plus forced depths at full acceptance for the ideal curve. Per cell: tok/s, speedup over mlx-lm,
 the ideal speedup from the measured forward costs, achieved/ideal, acceptance, tokens per step.
 
 --from-json redraws the tables (and --png) from saved results without running anything.
@@ -221,9 +221,9 @@ DrafterOption = Annotated[Optional[str], typer.Option(
 RealShapesOption = Annotated[Optional[str], typer.Option(
     "--real-shapes", metavar="SHAPES", show_default=False,
     help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
-         "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b and smoke-moe); 'all' is "
-         "qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. Default --reps 5, --max-tokens 128, "
-         "--workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
+         "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b, smoke-moe, gemma-4-31b, "
+         "gemma-4-26b-a4b, smoke-gemma4(-moe)); 'all' is qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. "
+         "Default --reps 5, --max-tokens 128, --workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
 PromptTokensOption = Annotated[int, typer.Option(
     "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")]
 DepthsOption = Annotated[str, typer.Option(
@@ -463,8 +463,8 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
     else:
         _check(drafter in DRAFTERS, f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter}")
         _check(drafter != "draft" or draft_model is not None, "--drafter draft needs --draft-model")
-        _check(drafter in ("draft", "auto") or draft_model is None,
-               f"--draft-model is only used by --drafter draft or auto, not {drafter}")
+        _check(drafter in ("draft", "assistant", "auto") or draft_model is None,
+               f"--draft-model is only used by --drafter draft, assistant or auto, not {drafter}")
         if context is not None:
             plan(context)  # a bad plan fails before the model loads
         spec = _load_chat_model(model, draft_model, dtype)

@@ -83,8 +83,9 @@ def check_reasoning(mode) -> None:
 
 def demo_notice(name: str) -> None:
     print_note(f"note: using '{name}', a small built-in demo model: fast, but its answers are not "
-          "meaningful. Use a real model with `mlxspec run <folder-or-repo-id> ...` "
-          "or set MLXSPEC_DEFAULT_MODEL.")
+               "meaningful. For a real one in one command: `mlxspec run qwen3-0.6b --yes` (downloads it "
+               "once); or run a GGUF you already have: `mlxspec run FILE.gguf`, `mlxspec list --ollama`. "
+               "MLXSPEC_DEFAULT_MODEL sets the default.")
 
 
 # -- generation --------------------------------------------------------------
@@ -152,11 +153,16 @@ def missing_model_message(ref: str, what: str = "model") -> str | None:
     names a model after all (it failed for another reason)."""
     import difflib
 
-    from ..models.loader import display_path, hf_cache_dir, is_model_ref
+    from ..errors import ModelNotFoundError
+    from ..models.loader import display_path, gguf_source, hf_cache_dir, is_model_ref
 
     ref = ref.strip()
     if not ref or is_model_ref(ref):
         return None
+    try:
+        gguf_source(ref)
+    except ModelNotFoundError as err:  # a GGUF file or an Ollama / LM Studio name
+        return str(err)
     path = Path(ref).expanduser()
     if ref.startswith(("/", ".", "~")) or ref.count("/") > 1:  # a folder, as the loader reads it
         siblings = [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else []

@@ -24,7 +24,32 @@ The trunk goes through mlx-lm's own converter (same weights, config and tokenize
 as OUT/mtp.safetensors, which `mlxspec run OUT --drafter mtp` uses. HF_PATH is a local folder
 or a repo id already in the local Hugging Face cache (nothing is downloaded). A checkpoint
 without a head is converted all the same.
+
+HF_PATH may also be a GGUF file (llama.cpp, Ollama, LM Studio; or ollama:NAME[:TAG]): config,
+tokenizer and chat template come from its metadata; Q4_0 / Q4_1 / Q8_0 tensors stay quantized
+as they are, other quantized types are re-quantized to MLX 4- or 8-bit.
 """)
+
+
+def _convert_gguf(source: str, out: str, force: bool, status) -> None:
+    from ..models.gguf import convert_gguf
+    from ..models.loader import gguf_source
+    from ..units import human_bytes
+
+    path = gguf_source(source)
+    result = convert_gguf(path, out, force=force,
+                          on_step=(lambda message: status.update(message + "…")) if status else None)
+    for note in result.notes:
+        print_note(note)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(result.types.items(), key=lambda kv: -kv[1]))
+    size = sum(p.stat().st_size for p in result.out.rglob("*") if p.is_file())
+    sys.stdout.write(f"converted {path.name} ({result.architecture}: {types}) to {result.out} "
+                     f"({human_bytes(size)}, {result.kept_quantized} tensors kept quantized)\n")
+    sys.stdout.flush()
+
+
+def _is_gguf_ref(ref: str) -> bool:
+    return ref.strip().lower().endswith(".gguf") or ref.strip().startswith(("ollama:", "lmstudio:"))
 
 
 @app.command(help=CONVERT_HELP)
@@ -55,6 +80,14 @@ def convert(
 
         console = stderr_console()
         status = console.status("starting…", spinner="dots") if console.is_terminal else None
+        if _is_gguf_ref(hf_path):
+            given = [flag for flag, value in (("--q-bits", q_bits), ("--dtype", dtype), ("--mtp-bits", mtp_bits))
+                     if value is not None]
+            if given:
+                raise UsageError(f"{given[0]} does not apply to a GGUF source: its quantization is kept")
+            with status if status else contextlib.nullcontext():
+                _convert_gguf(hf_path, out, force, status)
+            return
         with status if status else contextlib.nullcontext():
             result = convert_checkpoint(
                 hf_path, out, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype,
@@ -159,16 +192,73 @@ def _list_table(rows: list) -> None:
     stdout_console().print(table)
 
 
+def _gguf_summary(path) -> tuple[str, str]:
+    """(architecture, most common tensor type) from a GGUF header; "?" when unreadable."""
+    from ..errors import MlxspecError
+    from ..models.gguf_file import read_header
+
+    try:
+        header = read_header(path)
+    except MlxspecError:
+        return "?", "?"
+    counts: dict = {}
+    for info in header.tensors.values():
+        if len(info.shape) == 2:
+            counts[info.type_name] = counts.get(info.type_name, 0) + 1
+    return header.architecture or "?", max(counts, key=counts.get) if counts else "?"
+
+
+def _list_stores(ollama: bool, lmstudio: bool, json_out: bool) -> None:
+    from ..models import stores
+    from ..units import human_bytes
+
+    found, empty = [], []
+    for wanted, lister, where in ((ollama, stores.list_ollama, stores.ollama_dir),
+                                  (lmstudio, stores.list_lmstudio, stores.lmstudio_dir)):
+        if wanted:
+            models = lister()
+            found += models
+            if not models:
+                empty.append(str(where()))
+    rows = []
+    for model in found:
+        arch, quant = _gguf_summary(model.path)
+        rows.append({"model": model.ref, "size_bytes": model.size, "architecture": arch,
+                     "quantization": quant, "path": str(model.path)})
+    if json_out:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    for where in empty:
+        print_note(f"no GGUF models in {where}")
+    if rows:
+        from rich.table import Table
+
+        table = Table(show_edge=False, pad_edge=False)
+        for column, justify in (("MODEL", "left"), ("SIZE", "right"), ("ARCH", "left"), ("QUANT", "left")):
+            table.add_column(column, justify=justify, no_wrap=column != "MODEL")
+        for row in rows:
+            table.add_row(row["model"], human_bytes(row["size_bytes"]), row["architecture"], row["quantization"])
+        stdout_console().print(table)
+        print_note("run one with `mlxspec run MODEL` (converted once into mlxspec's cache; the store is not changed)")
+
+
 @app.command(name="list")
 def list_models(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects.")] = False,
     show_catalog: Annotated[bool, typer.Option(
         "--catalog", help="List the aliases `mlxspec pull` knows instead of the cached models.")] = False,
+    ollama: Annotated[bool, typer.Option(
+        "--ollama", help="List the GGUF models in Ollama's store ($OLLAMA_MODELS or ~/.ollama/models).")] = False,
+    lmstudio: Annotated[bool, typer.Option(
+        "--lmstudio", help="List the GGUF models in LM Studio's store (~/.lmstudio/models).")] = False,
 ) -> None:
     """List the models in the Hugging Face cache: size, architecture, quantization, MTP head, context."""
     with user_errors():
         from .. import hub
 
+        if ollama or lmstudio:
+            _list_stores(ollama, lmstudio, json_out)
+            return
         if show_catalog:
             rows = [{"alias": e.alias, "repo_id": e.repo, "mtp": e.mtp, "draft": e.draft, "note": e.note}
                     for e in hub.catalog().values()]

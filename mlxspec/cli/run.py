@@ -20,6 +20,7 @@ from ..options import (
     FLAGS,
     MAX_DEPTH,
     MIN_DEPTH,
+    ConstraintSpec,
     check_choice,
     check_values,
 )
@@ -44,6 +45,8 @@ from .console import (
 # what the flags are called in error messages
 FLAG_LABELS = {"depth": "--depth", "temperature": FLAGS["temperature"][0], "top_p": "--top-p", "top_k": "--top-k",
                "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0]}
+# starts of a MODEL argument that is never a prompt: paths and GGUF store names
+MODEL_LIKE = ("/", "./", "../", "~", "ollama:", "lmstudio:")
 # a Hugging Face repo id, org/name: a lone argument like this is a model, never a prompt
 REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -65,7 +68,7 @@ def _split_positionals(model: Optional[str], prompt: Optional[str]):
         from ..models.loader import is_model_ref
 
         # a mistyped folder or repo id should fail as a model, not be sent to the demo as a prompt
-        like_a_model = model.startswith(("/", "./", "../", "~")) or REPO_ID.fullmatch(model)
+        like_a_model = model.startswith(MODEL_LIKE) or model.lower().endswith(".gguf") or REPO_ID.fullmatch(model)
         if model == "-" or (not like_a_model and not is_model_ref(model)):
             return None, model
     return model, prompt
@@ -78,7 +81,8 @@ def _check_refs(model: Optional[str], draft_model: Optional[str]) -> None:
     from .console import missing_model_message
 
     for ref, what in ((model, "model"), (draft_model, "draft model")):
-        if ref is not None and (ref.startswith(("/", "./", "../", "~")) or REPO_ID.fullmatch(ref)):
+        if ref is not None and (ref.startswith(MODEL_LIKE) or ref.lower().endswith(".gguf")
+                                or REPO_ID.fullmatch(ref)):
             message = missing_model_message(ref, what)
             if message:
                 raise ModelNotFoundError(message)
@@ -236,7 +240,7 @@ DepthOption = Annotated[Optional[int], typer.Option(
     show_default=False)]
 PresetOption = Annotated[Optional[str], typer.Option(
     help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
-         "MODEL` shows the choice), mtp, pld, draft or off. An explicit --drafter wins over "
+         "MODEL` shows the choice), mtp, pld, draft, assistant or off. An explicit --drafter wins over "
          "the preset's drafter. " + _default("none, or $MLXSPEC_PRESET / config"), show_default=False)]
 TempOption = Annotated[Optional[float], typer.Option(
     *FLAGS["temperature"],
@@ -272,6 +276,12 @@ HideReasoningOption = Annotated[bool, typer.Option(
 JsonOption = Annotated[bool, typer.Option(
     "--json", help="Print one JSON object {model, text, reasoning, finish_reason, tokens, stats} instead of "
                    "streaming text.")]
+JsonSchemaOption = Annotated[Optional[str], typer.Option(
+    *FLAGS["json_schema"], metavar="FILE", show_default=False,
+    help="Constrain the answer to JSON that matches the JSON schema in FILE (speculation stays on).")]
+RegexOption = Annotated[Optional[str], typer.Option(
+    *FLAGS["regex"], metavar="PATTERN", show_default=False,
+    help="Constrain the answer to text that matches the regular expression PATTERN.")]
 NoStatsOption = Annotated[bool, typer.Option(
     "--no-stats", help="Do not show speed and acceptance statistics, nor the live status.")]
 YesOption = Annotated[bool, typer.Option(
@@ -299,10 +309,13 @@ def run(
     reasoning: ReasoningOption = None,
     hide_reasoning: HideReasoningOption = False,
     json_out: JsonOption = False,
+    json_schema: JsonSchemaOption = None,
+    regex: RegexOption = None,
     no_stats: NoStatsOption = False,
     yes: YesOption = False,
 ) -> None:
     with user_errors():
+        constraint = _constraint(json_schema, regex)
         from ..config import settings
 
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
@@ -330,11 +343,49 @@ def run(
         request = GenerationRequest(
             max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"], top_k=given["top_k"],
             min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
-            template_kwargs=template_kwargs(given["reasoning"]), on_note=_once(print_note),
+            template_kwargs=template_kwargs(_reasoning(given["reasoning"], constraint, reasoning)),
+            on_note=_once(print_note),
             # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
-            reuse=chat, **preset_options)
+            reuse=chat, constraint=constraint, **preset_options)
         _answer(spec, prompt, request, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
                 no_stats=no_stats)
+
+
+def _reasoning(mode: str, constraint: Optional[ConstraintSpec], flag: Optional[str]) -> str:
+    """The reasoning mode: off with --json-schema / --regex (they hold from the answer's first
+    token); --reasoning on with one is a usage error."""
+    if constraint is None:
+        return mode
+    from ..reasoning import constrained_mode
+
+    try:
+        return constrained_mode(flag)
+    except ValueError as e:
+        raise UsageError(f"--reasoning on: {e}") from None
+
+
+def _constraint(schema_file: Optional[str], regex: Optional[str]) -> Optional[ConstraintSpec]:
+    """What --json-schema FILE or --regex PATTERN asks the answer to match (read and checked
+    before the model loads); None: neither given."""
+    schema_flag, regex_flag = FLAGS["json_schema"][0], FLAGS["regex"][0]
+    if schema_file is not None and regex is not None:
+        raise UsageError(f"give {schema_flag} or {regex_flag}, not both")
+    if regex is not None:
+        if not regex:
+            raise UsageError(f"{regex_flag} must not be empty")
+        return ConstraintSpec("regex", regex)
+    if schema_file is None:
+        return None
+    try:
+        with open(schema_file, encoding="utf-8") as f:
+            schema = json.load(f)
+    except OSError as err:
+        raise UsageError(f"{schema_flag}: cannot read {schema_file}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"{schema_flag}: {schema_file} is not JSON: {err}") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"{schema_flag}: {schema_file} must hold a JSON schema object")
+    return ConstraintSpec("json_schema", schema)
 
 
 def _once(show):

@@ -1,4 +1,4 @@
-"""``mlxspec serve``: the OpenAI- and Anthropic-compatible server (mlxspec/server/)."""
+"""``mlxspec serve``: the OpenAI-, Anthropic- and Ollama-compatible server (mlxspec/server/)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ from .console import (
     user_errors,
 )
 
-SERVE_HELP = """Serve MODEL over HTTP with OpenAI- and Anthropic-compatible endpoints.
+SERVE_HELP = """Serve MODEL over HTTP with OpenAI-, Anthropic- and Ollama-compatible endpoints.
 
 Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; streaming or not, tools),
-POST /v1/messages, /v1/messages/count_tokens (Anthropic), GET /v1/models, /health, /metrics
+POST /v1/messages, /v1/messages/count_tokens (Anthropic), POST /api/chat, /api/generate,
+/api/show, GET /api/tags, /api/ps, /api/version (Ollama), GET /v1/models, /health, /metrics
 (Prometheus), and the OpenAPI schema at /openapi.json (docs at /docs). Every request is
 speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2,
 "enabled": false}) and its drafted/accepted counts come back in usage. One generation runs at
@@ -93,13 +94,13 @@ def serve(
         help=f"Default drafter: {', '.join(DRAFTERS)} (default: config, else auto).")] = None,
     preset: Annotated[Optional[str], typer.Option(
         "--preset", metavar="P", show_default=False,
-        help="auto, mtp, pld, draft or off: as `run --preset` (an explicit --drafter wins).")] = None,
+        help="auto, mtp, pld, draft, assistant or off: as `run --preset` (an explicit --drafter wins).")] = None,
     host: Annotated[Optional[str], typer.Option(
         "--host", show_default=False, help=f"Address to bind (default: config, else {DEFAULT_HOST}).")] = None,
     port: Annotated[Optional[int], typer.Option(
         "--port", show_default=False, help=f"Port to bind (default: config, else {DEFAULT_PORT}).")] = None,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", metavar="KEY", show_default=False, help="Require this key on every /v1 request.")] = None,
+        "--api-key", metavar="KEY", show_default=False, help="Require this key on every /v1 and /api request.")] = None,
     api_key_file: Annotated[Optional[str], typer.Option(
         "--api-key-file", metavar="F", show_default=False, help="Read the key from file F.")] = None,
     max_queue: Annotated[int, typer.Option(

@@ -90,7 +90,8 @@ def accept_greedy(target_logprobs: mx.array, draft: mx.array) -> tuple[mx.array,
 
 
 def accept_sampled(
-    target_logprobs: mx.array, draft: mx.array, draft_logprobs: mx.array | None
+    target_logprobs: mx.array, draft: mx.array, draft_logprobs: mx.array | None,
+    cut_logprobs: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Leviathan/Chen speculative sampling, exact in distribution.
 
@@ -98,11 +99,19 @@ def accept_sampled(
     draw from norm(max(p_i - q_i, 0)); if all k are accepted draw a bonus token from p_k.
     ``draft_logprobs`` None means a deterministic drafter (q = one-hot on the draft token),
     for which the ratio is p_i(x_i) and the residual is p_i with x_i removed.
+    ``cut_logprobs`` (1, V): the q of a drafted token dropped after DRAFT before the verify
+    (outside a constraint, so p_k gives it 0 and it would be rejected for sure): the token
+    after a fully accepted DRAFT is then drawn from that rejection's residual instead of p_k.
 
     Returns (n_accepted, tokens) with ``tokens[n]`` the token that follows the accepted prefix.
     """
     k = draft.shape[0]
     p = mx.exp(target_logprobs)
+    last = target_logprobs[k:]
+    if cut_logprobs is not None:
+        last = _residual_logprobs(p[k:], mx.exp(cut_logprobs))
+    if k == 0:
+        return mx.array(0), mx.random.categorical(last)
     p_draft = p[:k]
     px = mx.take_along_axis(p_draft, draft[:, None], axis=-1)[:, 0]
     if draft_logprobs is None:
@@ -120,8 +129,15 @@ def accept_sampled(
     has_mass = residual.sum(axis=-1, keepdims=True) > 0
     residual = mx.where(has_mass, residual, p_draft)
     corrections = mx.random.categorical(mx.log(residual))
-    bonus = mx.random.categorical(target_logprobs[k:])
+    bonus = mx.random.categorical(last)
     return n, mx.concatenate([corrections, bonus])
+
+
+def _residual_logprobs(p: mx.array, q: mx.array) -> mx.array:
+    """log norm(max(p - q, 0)) per row, p itself where that is empty (p == q)."""
+    residual = mx.maximum(p - q, 0.0)
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    return mx.log(residual)
 
 
 def accept(
@@ -129,7 +145,13 @@ def accept(
     target_logprobs: mx.array,
     draft: mx.array,
     draft_logprobs: mx.array | None = None,
+    cut_logprobs: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
+    """Exact acceptance of DRAFT against TARGET_LOGPROBS (k + 1 rows); ``cut_logprobs`` as in
+    :func:`accept_sampled` (at temperature 0 a dropped token needs nothing: argmax never
+    picks a masked one). An empty DRAFT is a plain step: (0, the target's own token)."""
     if params.greedy:
+        if draft.shape[0] == 0:
+            return mx.array(0), mx.argmax(target_logprobs, axis=-1)
         return accept_greedy(target_logprobs, draft)
-    return accept_sampled(target_logprobs, draft, draft_logprobs)
+    return accept_sampled(target_logprobs, draft, draft_logprobs, cut_logprobs)

@@ -17,14 +17,18 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..errors import DrafterError, UsageError
+from ..models.gemma4_assistant import Gemma4Assistant
 from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
 from .cache import ModelState, model_nbytes
-from .drafters.base import Drafter
+from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
+from .drafters.assistant import AssistantDrafter
+from .drafters.base import Draft, Drafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.mtp import MTPDrafter
 from .drafters.pld import PromptLookupDrafter, repetition_score
 from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
+from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
@@ -43,9 +47,12 @@ class _Guess:
 
 
 def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead | None) -> str:
-    """The drafter NAME stands for: ``auto`` is a draft model if given, else the model's own
-    MTP head, else prompt lookup; any other name is itself."""
+    """The drafter NAME stands for: ``auto`` is the draft model if given (``assistant`` when it
+    is a Gemma-4 assistant), else the model's own MTP head, else prompt lookup; any other name
+    is itself."""
     if name == "auto":
+        if isinstance(draft_model, Gemma4Assistant):
+            return "assistant"
         return "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
     return name
 
@@ -64,7 +71,13 @@ def make_drafter(
     if name == "draft":
         if draft_model is None:
             raise UsageError("--drafter draft needs --draft-model")
+        if isinstance(draft_model, Gemma4Assistant):
+            raise UsageError("the draft model is a Gemma-4 assistant: use --drafter assistant (or auto)")
         return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
+    if name == "assistant":
+        if not isinstance(draft_model, Gemma4Assistant):
+            raise UsageError("--drafter assistant needs --draft-model pointing at a Gemma-4 assistant checkpoint")
+        return AssistantDrafter(draft_model, target, model_nbytes(target), cost_per_token)
     if name == "mtp":
         if mtp_head is None:
             raise DrafterError(
@@ -115,6 +128,9 @@ class SpeculativeDecoder:
         checkpoints: Sequence[int] = (),
         prefill_step: int = 2048,
         on_prefill: Callable[[int, int], None] | None = None,
+        constraint: TokenConstraint | None = None,
+        logprobs: int | None = None,
+        on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
     ) -> Iterator[tuple[list[int], Stats]]:
         """Yield (new tokens, running stats) as tokens are committed.
 
@@ -122,7 +138,11 @@ class SpeculativeDecoder:
         prefilled, and the caches are stored at each of ``checkpoints`` (prompt positions a
         later request may share, e.g. the end of the conversation before the generation
         prompt), at the end of the prompt and at the end of the answer. The prompt is fed in
-        chunks of ``prefill_step`` tokens; ``on_prefill(done, total)`` follows it."""
+        chunks of ``prefill_step`` tokens; ``on_prefill(done, total)`` follows it.
+
+        ``constraint``: every sampled row is masked to its language (plain and verify rows
+        alike), drafts are cut where they leave it. ``logprobs`` (0..20, None off): before each
+        yield, ``on_logprobs`` gets one TokenLogprob per yielded token."""
         if not prompt:
             raise UsageError("the prompt is empty")
         if prefill_step < 1:
@@ -131,6 +151,11 @@ class SpeculativeDecoder:
             mx.random.seed(seed)
         run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens), prefix_cache=prefix_cache,
                    checkpoints=checkpoints, prefill_step=prefill_step, on_prefill=on_prefill)
+        run.constraint, run.top_logprobs, run.on_logprobs = constraint, logprobs, on_logprobs
+        if constraint is not None or logprobs is not None:
+            # each row is read on the host (its mask follows the token before it): no queued
+            # plain step or verify
+            run.ahead = None
         with wired_limit(self.model, [generation_stream]), mx.stream(generation_stream):
             yield from run.loop()
 
@@ -149,6 +174,8 @@ class _Run:
         self.drafter = dec.drafter
         self.hidden_to_drafter = self.drafter is not None and self.drafter.needs_hidden
         self.target = ModelState(dec.model, keep_hidden=self.hidden_to_drafter)
+        if self.drafter is not None:
+            self.drafter.bind_target(self.target)
         self.stats = Stats(prompt_tokens=len(prompt))
         self.gate = self.shadow = None
         if self.drafter is not None:
@@ -177,6 +204,10 @@ class _Run:
         self.checkpoints = checkpoints
         self.prefill_step = prefill_step
         self.on_prefill = on_prefill
+        self.constraint: TokenConstraint | None = None
+        self.top_logprobs: int | None = None  # None: no logprobs
+        self.on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+        self.step_logprobs: list[TokenLogprob] = []
 
     # -- output -----------------------------------------------------------------
     def _emit(self, new: list[int]) -> list[int]:
@@ -223,13 +254,16 @@ class _Run:
                     k = min(self.gate.depth(), remaining - 1)
                     self._sync_gate()
                     if k > 0:
-                        draft = self.drafter.propose(self.tokens, k, self.sampling)
+                        draft = self.drafter.propose(self.tokens, k, self._draft_sampling())
                 if draft is not None:
                     new = self._speculative_step(draft)
                 else:
                     self._settle_guess(None)
                     new, pending = self._plain_step(pending, remaining)
-                yield self._emit(new), self.stats
+                out = self._emit(new)
+                if self.on_logprobs is not None:
+                    self.on_logprobs(self.step_logprobs[: len(out)])
+                yield out, self.stats
         except GeneratorExit:  # closed at a yield: every cache holds committed tokens only
             self._settle_guess(None)
             self._store()
@@ -287,7 +321,48 @@ class _Run:
             return True
         return not self.drafter.uses_model and not self.drafter.lookup(self.tokens, 1)
 
+    @property
+    def _reads_rows(self) -> bool:
+        """Whether each step's rows are read on the host (constraint masks, logprobs)."""
+        return self.constraint is not None or self.top_logprobs is not None
+
+    def _commit_rows(self, new: list[int], logits: mx.array) -> None:
+        """NEW tokens were sampled from LOGITS' rows (masked): advance the constraint and keep
+        their logprobs (see logprobs.py for which distribution)."""
+        if self.constraint is not None:
+            self.constraint.advance(new)
+        if self.top_logprobs is not None:
+            self.step_logprobs = token_logprobs(logits[: len(new)], new, self.top_logprobs)
+
+    def _read_plain_token(self) -> int:
+        """A plain step whose row is read: masked, sampled, its logprobs kept; not pipelined
+        (the next row's mask needs this token)."""
+        logits = self.target.forward(mx.array(self.tokens[-1:], mx.uint32), rollback=False)[-1:]
+        self._pass_hidden(self.target.hidden)
+        if self.constraint is not None:
+            logits = apply_mask(logits, self.constraint.masks([])[1])
+        t = self.sampling.sample(logits).item()
+        self._commit_rows([t], logits)
+        return t
+
     def _plain_step(self, pending, remaining):
+        if self._reads_rows:
+            t, nxt = self._read_plain_token(), None
+        else:
+            t, nxt = self._pipelined_token(pending, remaining)
+        self.tokens.append(t)
+        self.stats.plain_steps += 1
+        if self.gate is not None:
+            self.gate.tick_plain()
+        if self.shadow is not None and not self.gate.on:
+            settled = self.shadow.update(self.tokens)
+            if settled:
+                self.gate.observe(*settled)
+        return [t], nxt
+
+    def _pipelined_token(self, pending, remaining):
+        """The in-flight token (sampled now if none), with the next plain step queued behind it
+        when the next step will be plain too."""
         sample = self.sampling.sample
         if pending is None:
             y = mx.array(self.tokens[-1:], mx.uint32)
@@ -299,16 +374,7 @@ class _Run:
             nxt = sample(self.target.forward(pending.astype(mx.uint32), rollback=False)[-1:])
             self._pass_hidden(self.target.hidden)
             mx.async_eval(nxt)
-        t = pending.item()
-        self.tokens.append(t)
-        self.stats.plain_steps += 1
-        if self.gate is not None:
-            self.gate.tick_plain()
-        if self.shadow is not None and not self.gate.on:
-            settled = self.shadow.update(self.tokens)
-            if settled:
-                self.gate.observe(*settled)
-        return [t], nxt
+        return pending.item(), nxt
 
     # -- pipelining -------------------------------------------------------------------
     def _settle_guess(self, draft) -> mx.array | None:
@@ -351,20 +417,50 @@ class _Run:
             guess.logprobs = self.sampling.logprobs(self.target.forward(inputs, whole=True))
         return guess
 
+    def _draft_sampling(self) -> SamplingParams:
+        """What a drafter samples its chain with: under a constraint, each draw masked to the
+        language (model drafters; host drafters do not sample)."""
+        if self.constraint is None or not self.drafter.uses_model:
+            return self.sampling
+        s = self.sampling
+        return MaskedChainSampling(s.temperature, s.top_p, s.top_k, s.min_p, constraint=self.constraint)
+
+    def _cut_draft(self, draft: Draft) -> tuple[Draft, mx.array, mx.array | None]:
+        """DRAFT cut at its first token outside the constraint's language, the masks of the
+        verify's rows, and the q row of the token cut (None: nothing cut, or a drafter that
+        drafts deterministically, whose cut token p already gives 0)."""
+        host = draft.host if draft.host is not None else draft.tokens.tolist()
+        cut, masks = self.constraint.masks(host)
+        if cut == len(draft):
+            return draft, masks, None
+        q = draft.logprobs
+        cut_q = None if q is None else q[cut : cut + 1]
+        return Draft(draft.tokens[:cut], None if q is None else q[:cut], host[:cut]), masks, cut_q
+
     def _speculative_step(self, draft) -> list[int]:
+        drafted = len(draft)  # counted whole: tokens cut by a constraint are rejections
+        masks = cut_q = logits = None
+        if self.constraint is not None:
+            draft, masks, cut_q = self._cut_draft(draft)
         k = len(draft)
         start = len(self.tokens) - 1  # committed in the cache (a queued verify may follow)
         logprobs = self._settle_guess(draft)
         if logprobs is None:
             inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
-            logprobs = self.sampling.logprobs(self.target.forward(inputs))
-        n_acc, out = accept(self.sampling, logprobs, draft.tokens, draft.logprobs)
+            logits = self.target.forward(inputs)
+            if masks is not None:
+                logits = apply_mask(logits, masks)
+            logprobs = self.sampling.logprobs(logits)
+        args = (self.sampling, logprobs, draft.tokens, draft.logprobs)
+        n_acc, out = accept(*args) if cut_q is None else accept(*args, cut_q)
         mx.async_eval(n_acc, out, draft.tokens)
         guess = self._guess_next(draft, k)
         if guess is not None and guess.logprobs is not None:
             mx.async_eval(guess.logprobs)  # runs while the host reads this step's result
         n = n_acc.item()
         new = draft.tokens.tolist()[:n] + [out[n].item()]
+        if self._reads_rows:
+            self._commit_rows(new, logits)
         if guess is not None and (n < k or new[-1] != guess.bonus):
             if guess.logprobs is not None:
                 self._undo_queued(guess)
@@ -377,8 +473,8 @@ class _Run:
         self.target.commit(start + 1 + n)
         self.drafter.rollback(start + 1 + n)
         self.tokens.extend(new)
-        self.stats.record_verify(k, n)
-        self.gate.observe(k, n)
+        self.stats.record_verify(drafted, n)
+        self.gate.observe(drafted, n)
         if self.shadow is not None:
             self.shadow.reset()
         return new

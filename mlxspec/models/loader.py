@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import InvalidCheckpointError, ModelNotFoundError
 from .attention_only import fix_loaded
+from .stores import is_store_ref, resolve_store_ref
 
 # the files mlx-lm itself reads from a snapshot (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS); a cached
 # snapshot only has to be complete for these, not for READMEs or PyTorch weights
@@ -145,6 +146,11 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
         raise ModelNotFoundError("the model name is empty")
     if ref == _demo_name():
         return _demo()
+    source = gguf_source(ref)
+    if source is not None:  # converted once into mlxspec's cache, then loaded from there
+        from .gguf import cached_conversion
+
+        return cached_conversion(source), ref if is_store_ref(ref) else source.name, False
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.resolve(), path.resolve().name, False
@@ -161,9 +167,25 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
     return folder, ref, False
 
 
+def gguf_source(ref: str) -> Path | None:
+    """The GGUF file REF names (FILE.gguf, ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE]),
+    None when REF is not a GGUF reference; ModelNotFoundError when it is one naming nothing."""
+    if is_store_ref(ref):
+        return resolve_store_ref(ref)
+    if not ref.lower().endswith(".gguf"):
+        return None
+    path = Path(ref).expanduser()
+    if not path.is_file():
+        raise ModelNotFoundError(f"GGUF file '{ref}' does not exist")
+    return path
+
+
 def is_model_ref(ref: str) -> bool:
-    """Whether ``ref`` names a model (folder, cached repo id, demo) — the CLI's one-argument rule."""
+    """Whether ``ref`` names a model (folder, cached repo id, demo, GGUF file or store model) —
+    the CLI's one-argument rule. Converts nothing."""
     try:
+        if gguf_source(ref.strip()) is not None:
+            return True
         resolve_model(ref)
     except ModelNotFoundError:
         return False
@@ -201,6 +223,13 @@ def check_checkpoint(path: Path, name: str) -> dict:
 def load_model(ref: str | None) -> LoadedModel:
     """Resolve, check and load a model with its tokenizer."""
     path, name, is_demo = resolve_model(ref)
+    from .gemma4_pairs import is_assistant_folder
+
+    if is_assistant_folder(path):  # a Gemma-4 assistant: no model of mlx-lm's, drafts only
+        from .gemma4_assistant import load_assistant
+
+        model, config = load_assistant(path, name)  # the tokenizer is its target's
+        return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     check_checkpoint(path, name)
     from mlx_lm.utils import load
 

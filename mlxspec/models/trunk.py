@@ -8,6 +8,7 @@ from typing import Callable
 
 import mlx.nn as nn
 
+from ..compat import final_softcap
 from ..errors import InvalidCheckpointError
 
 
@@ -30,4 +31,8 @@ def split_trunk(model: nn.Module) -> Trunk:
         head = body.embed_tokens.as_linear
     else:
         head = lm.lm_head
+    softcap = final_softcap(lm)  # Gemma caps its logits after the head
+    if softcap is not None:
+        plain_head = head
+        head = lambda h: softcap(plain_head(h))  # noqa: E731
     return Trunk(body=body, head=head, embed=body.embed_tokens)

@@ -1,6 +1,6 @@
-"""The ASGI app: one model behind the OpenAI and Anthropic surfaces, with health and metrics.
+"""The ASGI app: one model behind the OpenAI, Anthropic and Ollama surfaces, with health and metrics.
 
-Only assembly happens here: the surfaces (``openai.py``, ``anthropic.py``), generation
+Only assembly happens here: the surfaces (``openai.py``, ``anthropic.py``, ``ollama.py``), generation
 (``generation.py``), the metrics (``metrics.py``) and what wraps every request
 (``middleware.py``) each live in their own module.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from . import anthropic, openai
+from . import anthropic, ollama, openai
 from .common import ServedModel, Settings
 from .generation import Server
 from .middleware import BodyLimit, Gate, add_error_handlers
@@ -18,7 +18,8 @@ from .middleware import BodyLimit, Gate, add_error_handlers
 
 def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
     app = FastAPI(title="mlxspec", version=_version(),
-                  description="OpenAI- and Anthropic-compatible API over one model, with exact speculative decoding.")
+                  description="OpenAI-, Anthropic- and Ollama-compatible API over one model, "
+                              "with exact speculative decoding.")
     server = Server(spec, settings)
     app.state.server = server
     add_error_handlers(app)
@@ -39,6 +40,7 @@ def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
 
     app.include_router(openai.router)
     app.include_router(anthropic.router)
+    app.include_router(ollama.router)
     # the last added is the outermost: CORS (preflights need no key), the Host and key checks,
     # then the body limit (an unauthorized body is not read)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)

@@ -81,6 +81,9 @@ class Outcome:
     finish_reason: str = "stop"  # stop | length (and in the log: cancelled | error)
     stop_sequence: str | None = None
     stats: Stats = field(default_factory=Stats)  # the latest chunk's; empty before the first
+    # with logprobs requested: one per answer token so far (end-of-text tokens left out); a
+    # surface streaming them sends those past what it sent with its last delta
+    logprobs: list | None = None
 
     def speculation(self) -> dict:
         s = self.stats
@@ -146,22 +149,27 @@ def template_overrides(settings: Settings, mode: str | None, extra) -> dict:
 
 def surface_of(path: str) -> str:
     """Which API surface a request path belongs to: errors are shaped the way it expects."""
+    if path.startswith("/api/"):
+        return "ollama"
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 def error_body(surface: str, status: int, message: str, kind: str, param: str | None = None) -> dict:
+    if surface == "ollama":
+        return {"error": message}
     if surface == "anthropic":
         return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that closes its generator as soon as the response ends. A client that
-    went away cancels the response while the generator waits at a ``yield``; without this the
-    generation would run on until garbage collection got to it."""
+    """An SSE response (or another streamed MEDIA_TYPE: Ollama's NDJSON) that closes its
+    generator as soon as the response ends. A client that went away cancels the response while
+    the generator waits at a ``yield``; without this the generation would run on until garbage
+    collection got to it."""
 
-    def __init__(self, content):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send):

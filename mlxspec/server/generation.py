@@ -109,16 +109,26 @@ class Server:
             raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
                            kind="overloaded_error", headers={"Retry-After": "1"}) from None
         held, started, ended = "", time.perf_counter(), False
+        # every token's logprobs; outcome.logprobs gets those of the text released so far (text
+        # held back as a possible stop string holds its tokens' logprobs back too)
+        scored: list | None = None
         try:
             async for chunk in request_errors(job.chunks(gone=request.is_disconnected)):
                 outcome.completion_tokens += len(chunk.tokens)
                 outcome.stats = chunk.stats
+                if chunk.logprobs is not None:
+                    eos = self.spec.tokenizer.eos_token_ids
+                    scored = scored if scored is not None else []
+                    scored.extend(p for p in chunk.logprobs if p.token not in eos)
+                    outcome.logprobs = outcome.logprobs if outcome.logprobs is not None else []
                 held += chunk.text
                 hit = stop_at(held, gen.stop)
                 if hit is not None:
                     cut, outcome.stop_sequence = hit
                     outcome.finish_reason = "stop"
                     outcome.text += held[:cut]
+                    if scored is not None:  # the tokens of the text before the stop string
+                        outcome.logprobs = scored[:self._tokens_within(scored, outcome.text)]
                     if held[:cut]:
                         yield held[:cut]
                     held = ""
@@ -126,11 +136,15 @@ class Server:
                 safe = len(held) - held_back(held, gen.stop)
                 if safe > 0:
                     outcome.text += held[:safe]
-                    yield held[:safe]
                     held = held[safe:]
+                    if scored is not None and not held:
+                        outcome.logprobs = list(scored)
+                    yield outcome.text[-safe:]
             else:
                 if job.cancelled.is_set():  # the client left: nobody reads the rest
                     return
+                if scored is not None:
+                    outcome.logprobs = list(scored)
                 if held:
                     outcome.text += held
                     yield held
@@ -144,6 +158,18 @@ class Server:
                 outcome.finish_reason = "cancelled"
             job.cancel()
             self._account(gen, outcome, time.perf_counter() - started)
+
+    def _tokens_within(self, scored: list, text: str) -> int:
+        """How many of SCORED's tokens decode to no more than TEXT (a stop string cut it)."""
+        tokens = [p.token for p in scored]
+        lo, hi = 0, len(tokens)
+        while lo < hi:  # the largest n whose decoded prefix fits
+            mid = (lo + hi + 1) // 2
+            if len(self.spec.tokenizer.decode(tokens[:mid])) <= len(text):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _account(self, gen: SurfaceRequest, outcome: Outcome, seconds: float) -> None:
         """Count a finished generation in the metrics and log one line for it."""

@@ -95,7 +95,7 @@ class Gate:
     ``@app.middleware("http")`` one hides it, and abandoned requests would run on). Without an
     API key on a loopback address only loopback Host names are served (a page the browser got
     from a rebound DNS name must not reach the API); with a key, requests without it are a 401.
-    Every answer under /v1/ is counted by surface and status."""
+    Every answer under /v1/ and /api/ is counted by surface and status."""
 
     def __init__(self, app, server):
         self.app, self.server = app, server
@@ -120,7 +120,7 @@ class Gate:
             await send(message)
 
         await self.app(scope, receive, counted)
-        if status is not None and path.startswith("/v1/"):
+        if status is not None and path.startswith(("/v1/", "/api/")):
             self.server.metrics.observe(surface, status)
 
     def refusal(self, scope) -> tuple[int, str, str] | None:

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
 from ..api import GenerationRequest
-from ..options import MAX_SEED, REASONING_MODES
+from ..errors import UsageError
+from ..options import MAX_SEED, REASONING_MODES, ConstraintSpec
 from .common import (
     APIError,
     EventStream,
@@ -22,6 +23,14 @@ from .common import (
     speculation_overrides,
     started,
     template_overrides,
+)
+from .structured import (
+    LogprobRenderer,
+    chat_logprobs,
+    check_answer_start,
+    completion_logprobs,
+    reasoning_mode_for,
+    request_constraint,
 )
 from .tools import ToolCall, ToolCallParser
 
@@ -58,6 +67,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Optional[int] = None
     tools: Optional[list[dict]] = None
     tool_choice: Union[str, dict, None] = None
+    top_logprobs: Optional[int] = None
     stream_options: Optional[dict] = None
     chat_template_kwargs: Optional[dict] = None
     reasoning: Any = None  # "on" | "off" | "auto" or {"enabled": bool, "effort": str, "max_tokens": int}
@@ -162,19 +172,22 @@ def _template_messages(messages: list[Message]) -> list[dict]:
 
 
 def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None,
-                checkpoints: list[int] | None = None) -> SurfaceRequest:
-    """The body's generation; CHECKPOINTS: where a later turn may reuse the caches."""
-    if body.logprobs:  # the engine does not return per-token log-probabilities yet
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs")
+                checkpoints: list[int] | None = None, logprobs: int | None = None,
+                constraint: ConstraintSpec | None = None) -> SurfaceRequest:
+    """The body's generation; CHECKPOINTS: where a later turn may reuse the caches; LOGPROBS:
+    alternatives per token (None: off); CONSTRAINT: what the output must match."""
     max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
     server.check_max_tokens(max_tokens)
     drafter, depth = speculation_overrides(body.speculation, server.settings)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
         raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
-    generation = GenerationRequest(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                   top_k=body.top_k, min_p=body.min_p, seed=body.seed, drafter=drafter, depth=depth,
-                                   checkpoints=checkpoints)
+    try:
+        generation = GenerationRequest(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                       top_k=body.top_k, min_p=body.min_p, seed=body.seed, drafter=drafter,
+                                       depth=depth, checkpoints=checkpoints, logprobs=logprobs, constraint=constraint)
+    except UsageError as err:
+        raise APIError(400, str(err)) from None
     return SurfaceRequest(prompt_ids=prompt_ids, generation=generation, stop=stop)
 
 
@@ -194,6 +207,18 @@ async def reasoning_pieces(deltas: AsyncIterator[str], in_reasoning: bool) -> As
                 yield piece
     for piece in splitter.finish():
         yield piece
+
+
+def _fresh_logprobs(outcome: Outcome, render):
+    """A function giving RENDER of the logprobs OUTCOME gained since its last call."""
+    sent = [0]
+
+    def fresh():
+        items = (outcome.logprobs or [])[sent[0]:]
+        sent[0] += len(items)
+        return render(items)
+
+    return fresh
 
 
 def _sse(data) -> str:
@@ -237,24 +262,38 @@ async def chat_completions(body: ChatRequest, request: Request):
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     tools = body.tools if body.tool_choice != "none" else None
-    kwargs = template_overrides(server.settings, reasoning_mode(body), body.chat_template_kwargs)
+    constraint = request_constraint(body, tools, body.tool_choice)
+    mode = reasoning_mode_for(reasoning_mode(body), constraint, "reasoning")
+    kwargs = template_overrides(server.settings, mode, body.chat_template_kwargs)
     messages = _template_messages(body.messages)
     server.prompts.check_size(messages, tools)
     prompt_ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, tools, kwargs)
+    check_answer_start(constraint, in_reasoning, "response_format")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    gen = _generation(server, body, prompt_ids, max_tokens, checkpoints=points)
+    logprobs = chat_logprobs(body.logprobs, body.top_logprobs)
+    gen = _generation(server, body, prompt_ids, max_tokens, checkpoints=points, logprobs=logprobs,
+                      constraint=constraint)
     outcome = Outcome()
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     deltas = server.generate(request, gen, outcome)
+    fresh = _fresh_logprobs(outcome, LogprobRenderer(server.spec).chat) if logprobs is not None else None
     if not body.stream:
         message = await _folded_message(deltas, in_reasoning, parse_tools=bool(tools))
         finish = "tool_calls" if "tool_calls" in message else outcome.finish_reason
+        lp = {"content": fresh(), "refusal": None} if fresh else None
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": lp}],
                 "usage": _usage(gen, outcome)}
 
     deltas = await started(deltas)  # errors before the first byte are still plain HTTP errors
     include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+    def choice(delta: dict, finish=None) -> dict:
+        # logprobs of the tokens generated since the last chunk ride on the next one
+        out = {"index": 0, "delta": delta, "finish_reason": finish}
+        if fresh:
+            out["logprobs"] = {"content": fresh(), "refusal": None}
+        return out
 
     async def events():
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -265,8 +304,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         try:
             async for kind, delta in reasoning_pieces(deltas, in_reasoning):
                 if kind == "reasoning":
-                    yield _sse({**head, "choices": [{"index": 0, "delta": {"reasoning_content": delta},
-                                                     "finish_reason": None}]})
+                    yield _sse({**head, "choices": [choice({"reasoning_content": delta})]})
                     continue
                 for piece in (parser.feed(delta) if parser else [delta]):
                     if isinstance(piece, ToolCall):
@@ -274,14 +312,14 @@ async def chat_completions(body: ChatRequest, request: Request):
                         n_calls += 1
                     else:
                         d = {"content": piece}
-                    yield _sse({**head, "choices": [{"index": 0, "delta": d, "finish_reason": None}]})
+                    yield _sse({**head, "choices": [choice(d)]})
             for piece in parser.finish() if parser else []:
-                yield _sse({**head, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+                yield _sse({**head, "choices": [choice({"content": piece})]})
         except APIError as err:
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
             return
         finish = "tool_calls" if n_calls else outcome.finish_reason
-        yield _sse({**head, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+        yield _sse({**head, "choices": [choice({}, finish)]})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(gen, outcome)})
         yield "data: [DONE]\n\n"
@@ -303,15 +341,28 @@ async def completions(body: CompletionRequest, request: Request):
         vocab = server.spec.target.vocab_size
         if not prompt_ids or any(t < 0 or t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})", param="prompt")
-    gen = _generation(server, body, prompt_ids, body.max_tokens)
+    logprobs = completion_logprobs(body.logprobs)
+    gen = _generation(server, body, prompt_ids, body.max_tokens, logprobs=logprobs,
+                      constraint=request_constraint(body))
     outcome = Outcome()
     rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
     deltas = server.generate(request, gen, outcome)
+    fresh = None
+    if logprobs is not None:
+        renderer, offset = LogprobRenderer(server.spec), [len(prefix)]
+
+        def completion_json(items) -> dict:  # text offsets run on over the chunks
+            out = renderer.completion(items, offset[0], logprobs)
+            offset[0] += sum(len(t) for t in out["tokens"])
+            return out
+
+        fresh = _fresh_logprobs(outcome, completion_json)
     if not body.stream:
         text = prefix + "".join([d async for d in deltas])
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish_reason, "logprobs": None}],
+                "choices": [{"index": 0, "text": text, "finish_reason": outcome.finish_reason,
+                             "logprobs": fresh() if fresh else None}],
                 "usage": _usage(gen, outcome)}
 
     deltas = await started(deltas)
@@ -322,11 +373,13 @@ async def completions(body: CompletionRequest, request: Request):
             yield _sse({**head, "choices": [{"index": 0, "text": prefix, "finish_reason": None}]})
         try:
             async for delta in deltas:
-                yield _sse({**head, "choices": [{"index": 0, "text": delta, "finish_reason": None}]})
+                yield _sse({**head, "choices": [{"index": 0, "text": delta, "finish_reason": None,
+                                                 "logprobs": fresh() if fresh else None}]})
         except APIError as err:
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
             return
-        yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": outcome.finish_reason}],
+        yield _sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": outcome.finish_reason,
+                                         "logprobs": fresh() if fresh else None}],
                     "usage": _usage(gen, outcome)})
         yield "data: [DONE]\n\n"
 

@@ -29,7 +29,8 @@ def ratings(record: dict | None, available: list[str], draft_key: str | None = N
     tuned_draft = ((record or {}).get("draft_model") or {}).get("key")
     for name in available:
         entry = depths.get(name)
-        if not isinstance(entry, dict) or (name == "draft" and (draft_key is None or tuned_draft != draft_key)):
+        own_model = name in ("draft", "assistant")  # tuned with this same draft model only
+        if not isinstance(entry, dict) or (own_model and (draft_key is None or tuned_draft != draft_key)):
             continue
         depth, speedup = entry.get("depth"), entry.get("speedup")
         if isinstance(depth, int) and depth >= 1 and isinstance(speedup, (int, float)):

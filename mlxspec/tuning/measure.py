@@ -14,9 +14,10 @@ import mlx.core as mx
 
 from ..engine.cache import ModelState
 from ..engine.costs import call_times, measure_verify_cost, verify_times
+from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.gates import AcceptanceModel, CostModel, expected_speedup
 from ..engine.sampling import SamplingParams
-from ..engine.speculate import SpeculativeDecoder
+from ..engine.speculate import SpeculativeDecoder, resolve_drafter
 from .prompts import PROMPTS
 from .storage import FORMAT_VERSION, machine_info, model_info, save_result
 
@@ -59,6 +60,20 @@ def mtp_cost(target, head, vocab: int, context: int = 128, reps: int = 5) -> flo
     return statistics.median(steps) / one_token_seconds(target, context, reps, vocab)
 
 
+def assistant_cost(target, assistant, vocab: int, context: int = 128, reps: int = 5) -> float:
+    """One Gemma-4 assistant step relative to one target forward (over a warm target cache)."""
+    state = ModelState(target, keep_hidden=True)
+    tokens = [(7 * i) % vocab for i in range(context + 1)]
+    drafter = AssistantDrafter(assistant, target)
+    drafter.bind_target(state)
+    drafter.start(tokens)
+    drafter.prefill(tokens, context, state.prefill(tokens[:context]))
+    step = drafter.stepper(context)
+    token = mx.array([5 % vocab], mx.uint32)
+    steps = call_times(lambda: mx.eval(step(1, token)), reps, warmup=1)
+    return statistics.median(steps) / one_token_seconds(target, context, reps, vocab)
+
+
 def draft_step_cost(spec, drafter: str, context: int, reps: int) -> float:
     """One draft step of ``drafter`` relative to one target forward (prompt lookup: free)."""
     vocab = spec.target.vocab_size
@@ -66,6 +81,8 @@ def draft_step_cost(spec, drafter: str, context: int, reps: int) -> float:
         return 0.0
     if drafter == "draft":
         return draft_model_cost(spec.target.model, spec.draft.model, vocab, context, reps)
+    if drafter == "assistant":
+        return assistant_cost(spec.target.model, spec.draft.model, vocab, context, reps)
     return mtp_cost(spec.target.model, spec.mtp_head()[0], vocab, context, reps)
 
 
@@ -128,10 +145,11 @@ def choose_depth(totals: dict, cost: CostModel, draft_cost: float) -> dict:
 
 
 def tunable_drafters(spec) -> list[str]:
-    """The drafters that can run with this SpecModel (pld always; draft, mtp when available)."""
+    """The drafters that can run with this SpecModel (pld always; draft or assistant, mtp when
+    available)."""
     drafters = ["pld"]
     if spec.draft is not None:
-        drafters.append("draft")
+        drafters.append(resolve_drafter("auto", spec.draft.model, None))
     if spec.mtp_head()[0] is not None:
         drafters.append("mtp")
     return drafters

@@ -41,6 +41,10 @@ class Drafter(ABC):
         ``prompt[:at]`` (restored from a cached prefix); ``resume`` is what this drafter's
         :meth:`snapshot` gave with that cache, or None."""
 
+    def bind_target(self, state) -> None:
+        """The target's ``ModelState`` for this request, for drafters that read its cache
+        (the Gemma-4 assistant); called before :meth:`start`."""
+
     def resume_point(self, resume, at: int) -> int:
         """How much of a cached prefix of ``at`` tokens this drafter can start from with
         ``resume`` (the target then restores that many)."""
