@@ -120,3 +120,17 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
             out, stats = _run(model, prompt, 40, **kw)
             assert out == expected, (workload, kw["drafter"], kw["depth"])
             assert stats.drafted > 0
+
+
+def test_bench_runs_the_assistant_engine_and_skips_the_draft_model_ones():
+    from mlxspec.api import load
+    from mlxspec.bench.prompts import Bench, Options
+
+    spec = load(str(TARGET), draft_model=str(ASSISTANT))
+    bench = Bench(spec, [], ["mlx-lm", "mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant"], Options())
+    assert bench.engines == ["mlx-lm", "mlxspec-assistant"]
+    assert "Gemma-4 assistant" in bench.skipped["mlxspec-draft"] and "mlx-lm-draft" in bench.skipped
+    tokens = spec.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):", raw=True)
+    gen = bench.generate("mlxspec-assistant", tokens, 16, 0.0)
+    assert gen.tokens == bench.generate("mlxspec-none", tokens, 16, 0.0).tokens
+    assert gen.drafter == "assistant" and gen.drafted > 0

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import MlxspecError, UsageError
 
 ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-draft",
-           "mlxspec-mtp", "mlxspec-auto")
+           "mlxspec-mtp", "mlxspec-assistant", "mlxspec-auto")
 BASELINE = "mlx-lm"
 # what each engine does, for --help and the JSON
 ENGINE_HELP = {
@@ -33,6 +33,7 @@ ENGINE_HELP = {
     "mlxspec-pld": "mlxspec, prompt lookup",
     "mlxspec-draft": "mlxspec, the --draft-model",
     "mlxspec-mtp": "mlxspec, the model's native MTP head",
+    "mlxspec-assistant": "mlxspec, a Gemma-4 assistant given as --draft-model",
     "mlxspec-auto": "mlxspec, drafter auto",
 }
 WORKLOAD_ORDER = ("echo", "completion", "novel", "toolcall")
@@ -196,8 +197,15 @@ class Bench:
     def unavailable(self, engine: str) -> str | None:
         """Why ``engine`` cannot run with this model (None: it can)."""
         spec = self.spec
-        if engine in ("mlx-lm-draft", "mlxspec-draft") and spec.draft is None:
+        if engine in ("mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant") and spec.draft is None:
             return "needs --draft-model"
+        from ..engine.speculate import resolve_drafter
+
+        assistant = spec.draft is not None and resolve_drafter("auto", spec.draft.model, None) == "assistant"
+        if engine in ("mlx-lm-draft", "mlxspec-draft") and assistant:
+            return "the --draft-model is a Gemma-4 assistant, not a model of its own (see mlxspec-assistant)"
+        if engine == "mlxspec-assistant" and not assistant:
+            return "the --draft-model is not a Gemma-4 assistant"
         if engine == "mlx-lm-draft":
             from mlx_lm.models.cache import make_prompt_cache
 
