@@ -28,13 +28,13 @@ import io
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InvalidCheckpointError, MlxspecError, UsageError
 from .gemma4_pairs import is_assistant_folder
+from .staging import staged_folder
 
 SIDECAR = "mtp.safetensors"
 BITS = (2, 3, 4, 5, 6, 8)  # mlx affine quantization
@@ -305,7 +305,7 @@ def convert_checkpoint(
     if q_bits is None and (block := _mlx_quantization(config)) is not None:
         result.q_bits, result.q_group_size = block.get("bits"), block.get("group_size")  # kept as is
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _staged(out) as staging:
+    with staged_folder(out) as staging:
         what = f"quantizing to {q_bits}-bit" if q_bits else (conv_dtype or "keeping dtypes")
         step(f"converting the trunk with mlx-lm ({what})")
         _convert_trunk(source_path, staging, q_bits, q_group_size, dtype)
@@ -334,28 +334,12 @@ def convert_checkpoint(
     return result
 
 
-@contextlib.contextmanager
-def _staged(out: Path):
-    """A fresh staging folder beside OUT that becomes OUT when the block ends well (an empty
-    OUT, or one --force allows, is replaced) and is removed when it does not."""
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        yield staging
-        if out.exists():
-            shutil.rmtree(out)  # empty, or --force
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def _convert_assistant(source: Path, name: str, out: Path, q_bits, q_group_size, dtype, step) -> ConvertResult:
     """A Gemma-4 assistant (no model of mlx-lm's): written by mlxspec's own loader."""
     from .gemma4_assistant import save_assistant
 
     step(f"converting the Gemma-4 assistant {name}" + (f" ({q_bits}-bit)" if q_bits else ""))
-    with _staged(out) as staging:
+    with staged_folder(out) as staging:
         save_assistant(source, staging, q_bits, q_group_size, dtype)
     return ConvertResult(out=out, size_bytes=_dir_size(out), q_bits=q_bits,
                          q_group_size=q_group_size if q_bits else None, dtype=dtype, head_kept=False,

@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +24,7 @@ from ..errors import InvalidCheckpointError, UsageError
 from .gguf_file import GGUFHeader, read_header
 from .gguf_tokenizer import eos_token_ids, write_tokenizer
 from .gguf_weights import read_weights
+from .staging import staged_folder
 
 # general.architecture -> mlx-lm model_type
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -232,18 +232,10 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
     config["mlxspec"] = {"gguf_source": source.name, "gguf_types": dict(sorted(types.items()))}
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
+    with staged_folder(out) as staging:
+        staging.mkdir()
         step("writing the MLX checkpoint")
         _write(staging, config, tensors, header)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return result
 
 

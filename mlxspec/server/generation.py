@@ -138,13 +138,13 @@ class Server:
                     outcome.text += held[:safe]
                     held = held[safe:]
                     if scored is not None and not held:
-                        outcome.logprobs = list(scored)
+                        outcome.logprobs.extend(scored[len(outcome.logprobs):])
                     yield outcome.text[-safe:]
             else:
                 if job.cancelled.is_set():  # the client left: nobody reads the rest
                     return
                 if scored is not None:
-                    outcome.logprobs = list(scored)
+                    outcome.logprobs.extend(scored[len(outcome.logprobs):])
                 if held:
                     outcome.text += held
                     yield held

@@ -165,12 +165,14 @@ def think_mode(think) -> str | None:
     raise APIError(400, f"think must be true, false or one of {', '.join(THINK_LEVELS)}", param="think")
 
 
-def surface_request(server, body: _Body, prompt_ids: list[int], checkpoints: list[int] | None) -> SurfaceRequest:
+def surface_request(server, body: _Body, prompt_ids: list[int], checkpoints: list[int] | None,
+                    fmt: ConstraintSpec | None) -> SurfaceRequest:
+    """How to generate for BODY; FMT: its ``format`` as a constraint (see :func:`constraint`)."""
     values, stop = sampling(server, body.options)
     drafter, depth = speculation_overrides(body.speculation, server.settings)
     try:
         generation = GenerationRequest(**values, drafter=drafter, depth=depth, checkpoints=checkpoints,
-                                       constraint=constraint(body.format),
+                                       constraint=fmt,
                                        logprobs=chat_logprobs(body.logprobs, body.top_logprobs))
     except UsageError as err:
         raise APIError(400, str(err)) from None
@@ -343,13 +345,12 @@ async def chat(body: ChatBody, request: Request):
     model = served_name(server, body.model)
     if not body.messages:
         return loaded(model, body, chat=True)
-    messages, tools = template_messages(body.messages), template_tools(body.tools)
-    kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think), constraint(body.format),
-                                                                    "think"), None)
+    messages, tools, fmt = template_messages(body.messages), template_tools(body.tools), constraint(body.format)
+    kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think), fmt, "think"), None)
     server.prompts.check_size(messages, tools)
     ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, tools, kwargs)
-    check_answer_start(constraint(body.format), in_reasoning, "format")
-    gen = surface_request(server, body, ids, points)
+    check_answer_start(fmt, in_reasoning, "format")
+    gen = surface_request(server, body, ids, points, fmt)
     return await answer(request, body, gen, in_reasoning, parse_tools=bool(tools), chat=True, began=began)
 
 
@@ -365,18 +366,18 @@ async def generate(body: GenerateBody, request: Request):
                            + ("; send the conversation to /api/chat" if field == "context" else ""), param=field)
     if not body.prompt:
         return loaded(model, body, chat=False)
+    fmt = constraint(body.format)
     if body.raw:  # the prompt as is: no template, no reasoning split (as Ollama)
         server.prompts.check_size(body.prompt)
         ids, points, in_reasoning = await server.prompts.run(server.encode_text, body.prompt), None, None
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
             [{"role": "user", "content": body.prompt}]
-        kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think),
-                                                                        constraint(body.format), "think"), None)
+        kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think), fmt, "think"), None)
         server.prompts.check_size(messages)
         ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, None, kwargs)
-        check_answer_start(constraint(body.format), in_reasoning, "format")
-    gen = surface_request(server, body, ids, points)
+        check_answer_start(fmt, in_reasoning, "format")
+    gen = surface_request(server, body, ids, points, fmt)
     return await answer(request, body, gen, in_reasoning, parse_tools=False, chat=False, began=began)
 
 
