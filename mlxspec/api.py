@@ -360,7 +360,7 @@ class SpecModel:
 
             # `mlxspec tune` or an earlier run timed this drafter's step here
             draft_cost = stored_draft_cost(self.target, name, self.draft)
-            if draft_cost is None and name in ("draft", "mtp", "assistant"):
+            if draft_cost is None and name in ("draft", "mtp", "assistant", "dflash"):
                 draft_cost = self.draft_cost(name, request.on_status)
         return SpeculativeDecoder(
             self.target.model,
@@ -453,8 +453,12 @@ def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROM
         except (ModelNotFoundError, InvalidCheckpointError) as err:  # say which of the two models
             text = str(err)
             raise type(err)(f"draft {text}" if text.startswith("model ") else f"draft model: {text}") from None
+        from .models import dflash
+
         if isinstance(draft.model, Gemma4Assistant):  # drafts from the target's own cache
             check_pair(target.model, draft.model)
+        elif isinstance(draft.model, dflash.DFlashDraftModel):  # drafts from the target's layers
+            dflash.check_pair(target.model, draft.model, draft.name)
         else:
             check_compatible(target, draft)
     return SpecModel(target, draft, prompt_cache_bytes)

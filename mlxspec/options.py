@@ -14,13 +14,14 @@ from .errors import MlxspecError, UsageError
 # "assistant" is its own name, not "draft": Gemma 4's assistant is not a model of its own that
 # --drafter draft could run (it reads the target's cache and hidden state), and a name users
 # see in stats and `mlxspec tune` says which of the two drafted
-DRAFTERS = ("auto", "pld", "draft", "mtp", "assistant", "none")
+DRAFTERS = ("auto", "pld", "draft", "mtp", "assistant", "dflash", "none")
 REASONING_MODES = ("on", "off", "auto")  # a thinking model's chat-template switch
 
 # draft depth: tokens drafted per speculative step
 MIN_DEPTH, MAX_DEPTH = 1, 16
 # cap of the adaptive depth per drafter when none is asked for; the presets use the same caps
-DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4, "assistant": 6}
+# (dflash: one block forward drafts any depth up to its block size - 1; the gate picks)
+DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4, "assistant": 6, "dflash": 15}
 FALLBACK_MAX_DEPTH = 4  # a drafter not listed above
 
 # sampling defaults: greedy, no filter

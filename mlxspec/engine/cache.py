@@ -20,6 +20,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 from ..compat import ring_index, set_ring_index
 from ..errors import DrafterError
 from ..models.gdn_tape import tape_layers
+from ..models.layer_capture import LayerCapture
 from ..models.trunk import split_trunk
 
 
@@ -143,12 +144,14 @@ def _load_ring(c: RotatingKVCache, saved: tuple) -> None:
 class ModelState:
     """A model with its cache; ``length`` tokens are in the cache."""
 
-    def __init__(self, model: nn.Module, keep_hidden: bool = False):
+    def __init__(self, model: nn.Module, keep_hidden: bool = False, capture: tuple[int, ...] | None = None):
         self.model = model
         self.cache = make_prompt_cache(model)
         # An MTP drafter needs the trunk's final-norm hidden states: run body and lm_head apart
         # (the same ops the model's own __call__ runs) and keep the hidden of the last forward.
-        self._trunk = split_trunk(model) if keep_hidden else None
+        # A DFlash drafter needs the outputs of layers CAPTURE instead: ``hidden`` holds them.
+        self._capture = LayerCapture(model, capture) if capture else None
+        self._trunk = split_trunk(model) if keep_hidden and self._capture is None else None
         self.hidden: mx.array | None = None
         leaves = cache_leaves(self.cache)
         self._arrays = [c for c in leaves if isinstance(c, ArraysCache)]
@@ -170,6 +173,11 @@ class ModelState:
         self.length = 0
         self._segments: list[_Segment] = []
 
+    def close(self) -> None:
+        """The request is over: stop capturing layer outputs."""
+        if self._capture is not None:
+            self._capture.close()
+
     def check_rollback(self) -> None:
         if self.rollback_error:
             raise DrafterError(f"speculation is not supported for this model: {self.rollback_error}")
@@ -182,7 +190,11 @@ class ModelState:
         hidden = []
         for i in range(0, len(tokens), step):
             chunk = mx.array(tokens[i : i + step], mx.uint32)
-            if self._trunk is None:
+            if self._capture is not None:
+                self.model(chunk[None], cache=self.cache)
+                hidden.append(self._capture.take())
+                mx.eval([c.state for c in self.cache], hidden[-1])
+            elif self._trunk is None:
                 self.model(chunk[None], cache=self.cache)
                 mx.eval([c.state for c in self.cache])
             else:
@@ -191,7 +203,7 @@ class ModelState:
             self.length += len(chunk)
             mx.clear_cache()
         self._segments.clear()
-        if self._trunk is None:
+        if self._trunk is None and self._capture is None:
             return None
         return mx.concatenate(hidden) if hidden else None
 
@@ -216,6 +228,8 @@ class ModelState:
             c.record_tape = True
         if self._trunk is None:
             logits = self.model(tokens[None], cache=self.cache)[0]
+            if self._capture is not None:
+                self.hidden = self._capture.take()
         else:
             h = self._trunk.body(tokens[None], cache=self.cache)
             self.hidden = h[0]

@@ -90,10 +90,12 @@ class AcceptanceModel:
         return total
 
 
-def expected_speedup(acceptance: AcceptanceModel, k: int, cost: CostModel, draft_cost: float) -> float:
+def expected_speedup(acceptance: AcceptanceModel, k: int, cost: CostModel, draft_cost: float,
+                     step_cost: float = 0.0) -> float:
     """Speed of drafting ``k`` tokens a step relative to plain decoding: E_k tokens per step
-    over the step's cost, verify(k+1) + k * draft_cost, in target-forward units."""
-    return acceptance.expected_tokens(k) / (cost.verify(k + 1) + k * draft_cost)
+    over the step's cost, verify(k+1) + k * draft_cost + step_cost (a block drafter's one
+    forward), in target-forward units."""
+    return acceptance.expected_tokens(k) / (cost.verify(k + 1) + k * draft_cost + step_cost)
 
 
 class SpeculationGate:
@@ -134,7 +136,7 @@ class SpeculationGate:
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
-        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token)
+        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, self.drafter.cost_per_step)
 
     def best_depth(self) -> tuple[int, float]:
         # Asked once per token while decoding plainly: recomputed only after new observations.

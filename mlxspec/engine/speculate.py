@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..errors import DrafterError, UsageError
+from ..models.dflash import DFlashDraftModel
 from ..models.gemma4_assistant import Gemma4Assistant
 from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
@@ -24,6 +25,7 @@ from .cache import ModelState, model_nbytes
 from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
 from .drafters.assistant import AssistantDrafter
 from .drafters.base import Draft, Drafter
+from .drafters.dflash import DFlashDrafter
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.mtp import MTPDrafter
 from .drafters.pld import PromptLookupDrafter, repetition_score
@@ -48,11 +50,13 @@ class _Guess:
 
 def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead | None) -> str:
     """The drafter NAME stands for: ``auto`` is the draft model if given (``assistant`` when it
-    is a Gemma-4 assistant), else the model's own MTP head, else prompt lookup; any other name
-    is itself."""
+    is a Gemma-4 assistant, ``dflash`` for a DFlash drafter), else the model's own MTP head,
+    else prompt lookup; any other name is itself."""
     if name == "auto":
         if isinstance(draft_model, Gemma4Assistant):
             return "assistant"
+        if isinstance(draft_model, DFlashDraftModel):
+            return "dflash"
         return "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
     return name
 
@@ -73,7 +77,13 @@ def make_drafter(
             raise UsageError("--drafter draft needs --draft-model")
         if isinstance(draft_model, Gemma4Assistant):
             raise UsageError("the draft model is a Gemma-4 assistant: use --drafter assistant (or auto)")
+        if isinstance(draft_model, DFlashDraftModel):
+            raise UsageError("the draft model is a DFlash drafter: use --drafter dflash (or auto)")
         return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
+    if name == "dflash":
+        if not isinstance(draft_model, DFlashDraftModel):
+            raise UsageError("--drafter dflash needs --draft-model pointing at a DFlash drafter checkpoint")
+        return DFlashDrafter(draft_model, target, model_nbytes(target), cost_per_token)
     if name == "assistant":
         if not isinstance(draft_model, Gemma4Assistant):
             raise UsageError("--drafter assistant needs --draft-model pointing at a Gemma-4 assistant checkpoint")
@@ -173,7 +183,8 @@ class _Run:
         self.tokens = prompt  # committed; the last one is not fed to the target yet
         self.drafter = dec.drafter
         self.hidden_to_drafter = self.drafter is not None and self.drafter.needs_hidden
-        self.target = ModelState(dec.model, keep_hidden=self.hidden_to_drafter)
+        capture = self.drafter.capture_layers if self.hidden_to_drafter else None
+        self.target = ModelState(dec.model, keep_hidden=self.hidden_to_drafter, capture=capture)
         if self.drafter is not None:
             self.drafter.bind_target(self.target)
         self.stats = Stats(prompt_tokens=len(prompt))
@@ -268,6 +279,8 @@ class _Run:
             self._settle_guess(None)
             self._store()
             raise
+        finally:
+            self.target.close()
         self._settle_guess(None)
         self._store()
 

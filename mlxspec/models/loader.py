@@ -230,6 +230,13 @@ def load_model(ref: str | None) -> LoadedModel:
 
         model, config = load_assistant(path, name)  # the tokenizer is its target's
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
+    from .dflash import is_dflash_folder
+
+    if is_dflash_folder(path):  # a DFlash block drafter: borrows the target's embedding and head
+        from .dflash import load_dflash
+
+        model, config = load_dflash(path, name)
+        return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     check_checkpoint(path, name)
     from mlx_lm.utils import load
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..engine.cache import ModelState
 from ..engine.costs import call_times, measure_verify_cost, verify_times
 from ..engine.drafters.assistant import AssistantDrafter
+from ..engine.drafters.dflash import DFlashDrafter
 from ..engine.gates import AcceptanceModel, CostModel, expected_speedup
 from ..engine.sampling import SamplingParams
 from ..engine.speculate import SpeculativeDecoder, resolve_drafter
@@ -83,7 +84,23 @@ def draft_step_cost(spec, drafter: str, context: int, reps: int) -> float:
         return draft_model_cost(spec.target.model, spec.draft.model, vocab, context, reps)
     if drafter == "assistant":
         return assistant_cost(spec.target.model, spec.draft.model, vocab, context, reps)
+    if drafter == "dflash":
+        return dflash_cost(spec.target.model, spec.draft.model, vocab, context, reps)
     return mtp_cost(spec.target.model, spec.mtp_head()[0], vocab, context, reps)
+
+
+def dflash_cost(target, drafter_model, vocab: int, context: int = 128, reps: int = 5) -> float:
+    """One DFlash block forward (any depth: the whole block runs) relative to one target
+    forward, over a warm context."""
+    drafter = DFlashDrafter(drafter_model, target)
+    state = ModelState(target, keep_hidden=True, capture=drafter.capture_layers)
+    tokens = [(7 * i) % vocab for i in range(context + 1)]
+    drafter.start(tokens)
+    drafter.prefill(tokens, context, state.prefill(tokens[:context]))
+    state.close()
+    k = drafter.block - 1
+    steps = call_times(lambda: mx.eval(drafter.block_logits(tokens, k)), reps, warmup=1)
+    return statistics.median(steps) / one_token_seconds(target, context, reps, vocab)
 
 
 # -- acceptance and depth ------------------------------------------------------------

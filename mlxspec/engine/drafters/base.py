@@ -30,11 +30,15 @@ class Drafter(ABC):
     name: str = "?"
     # Relative cost of drafting one token, in units of one target forward (for the depth choice).
     cost_per_token: float = 0.0
+    # Cost of one proposal whatever its length (a block drafter's one forward), same units.
+    cost_per_step: float = 0.0
     # Whether drafting needs a model forward (no free "shadow" checks while speculation is off).
     uses_model: bool = False
     # Whether it drafts from the target's hidden states (MTP heads): then the engine passes
     # them, one row per committed position, in order.
     needs_hidden: bool = False
+    # Target layers whose outputs make those rows (DFlash); None: the final-norm hidden state.
+    capture_layers: tuple[int, ...] | None = None
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         """A new request with this prompt begins. The target's cache already holds

@@ -1,0 +1,155 @@
+"""A DFlash block drafter proposes a whole block of tokens in one forward.
+
+Terms:
+- context: the target's features (outputs of layers ``target_layer_ids``, one row per position
+  the target has fed) turned into keys/values in each draft layer; only committed positions
+  are ever added, so a rejected draft leaves nothing to roll back.
+- block: ``[last token, MASK x (B-1)]`` at positions ``len(tokens)-1 ..``; the drafter's
+  final hidden at block position i (1..B-1) gives q_i, the distribution of the token i places
+  after the last one. q_i does not depend on the tokens drafted before position i (the block
+  holds masks there), so each position is drawn independently from its own q_i, and
+  Leviathan/Chen acceptance against that q_i is exact (sampling.accept_sampled).
+- The checkpoint's full block always runs (its trained input) and the first k positions are
+  drafted: a step costs the same at every depth (``cost_per_step``), and one input shape.
+- Long contexts: past ``sink + window`` positions, the middle of the context is dropped (the
+  first ``sink`` and the last ``window`` kept, RoPE positions unchanged), which bounds the
+  drafter's attention; the target, and so exactness, is untouched.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ...models.dflash import DFlashDraftModel
+from ...models.trunk import split_trunk
+from ..cache import model_nbytes, restore_caches, snapshot_caches
+from ..sampling import SamplingParams
+from .base import Draft, Drafter
+
+DEFAULT_SINK = 64
+DEFAULT_WINDOW = 4096
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    uses_model = True
+    needs_hidden = True
+
+    def __init__(self, model: DFlashDraftModel, target: nn.Module, target_nbytes: int | None = None,
+                 cost_per_step: float | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW):
+        self.model = model
+        trunk = split_trunk(target)
+        self.embed, self.head = trunk.embed, trunk.head
+        self.capture_layers = tuple(model.args.target_layer_ids)
+        self.block = model.block_size
+        self.mask_id = model.args.mask_token_id
+        self.sink, self.window = sink, window
+        if cost_per_step is not None:
+            self.cost_per_step = cost_per_step
+        elif target_nbytes:  # a block forward streams the drafter's weights and the lm_head
+            lm = model_nbytes(getattr(trunk.head, "__self__", trunk.head))
+            self.cost_per_step = 0.05 + (model_nbytes(model) + lm) / target_nbytes
+        else:
+            self.cost_per_step = 0.2
+        self.cost_per_token = 0.0
+        self.last_logprobs: mx.array | None = None  # (k, V) processed q rows of the last proposal
+        self.start([])
+
+    # -- context -------------------------------------------------------------------
+    def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
+        self.cache = self.model.make_cache()
+        self.position = 0  # next context position (context rows 0..position-1 are in the cache or dropped)
+        self.dropped = 0  # middle positions dropped by the window
+        self._rows: list[mx.array] = []  # features of positions position.. not in the cache yet
+        if resume is not None and self.resume_point(resume, at) == at:
+            snap, stored, rows = resume
+            keep = min(stored, at)
+            if keep:
+                restore_caches(self.cache, snap, keep)
+            self.position = keep
+            if at > keep:
+                self._rows = [rows[: at - keep]]
+        elif at:
+            # a cached prefix without this drafter's context: drafts see less history, the
+            # positions stay right
+            self.position = self.dropped = at
+
+    def resume_point(self, resume, at: int) -> int:
+        if resume is None:
+            return at
+        _, stored, rows = resume
+        return at if stored + (0 if rows is None else rows.shape[0]) >= at else 0
+
+    def prefill(self, prompt: list[int], upto: int, hidden: mx.array | None = None) -> None:
+        if hidden is not None and hidden.shape[0]:
+            self._rows.append(hidden)
+            self._commit()
+            mx.eval([c.state for c in self.cache])
+
+    def add_hidden(self, rows: mx.array) -> None:
+        self._rows.append(rows)
+
+    def snapshot(self):
+        if self.dropped or (self.position == 0 and not self._rows):
+            return None
+        snap = snapshot_caches(self.cache, self.position) if self.position else None
+        if self.position and snap is None:
+            return None
+        rows = self._pending()
+        if rows is not None:
+            mx.eval(rows)
+        return snap, self.position, rows
+
+    def _pending(self) -> mx.array | None:
+        if not self._rows:
+            return None
+        if len(self._rows) > 1:
+            self._rows = [mx.concatenate(self._rows)]
+        return self._rows[0]
+
+    def _commit(self) -> None:
+        """Turn the pending features into context keys/values, then bound the context."""
+        rows = self._pending()
+        if rows is None:
+            return
+        self.model.add_context(rows, self.cache, self.position)
+        self.position += rows.shape[0]
+        self._rows = []
+        stored = self.cache[0].offset
+        if stored > self.sink + self.window + self.window // 4:  # cut in steps, not every token
+            cut = stored - self.sink - self.window
+            for c in self.cache:
+                keep = slice(self.sink + cut, stored)
+                c.keys = mx.concatenate([c.keys[..., : self.sink, :], c.keys[..., keep, :]], axis=2)
+                c.values = mx.concatenate([c.values[..., : self.sink, :], c.values[..., keep, :]], axis=2)
+                c.offset = self.sink + self.window
+            self.dropped += cut
+
+    # -- drafting ------------------------------------------------------------------
+    def block_logits(self, tokens: list[int], k: int) -> mx.array | None:
+        """Logits (k, V) of block positions 1..k after ``tokens`` (its last one not fed to the
+        target yet), or None while the context lags (no features yet for some position)."""
+        last = len(tokens) - 1
+        rows = self._pending()
+        have = self.position + (0 if rows is None else rows.shape[0])
+        if k <= 0 or have != last:
+            return None
+        self._commit()
+        block = mx.array([tokens[-1]] + [self.mask_id] * (self.block - 1), mx.uint32)
+        h = self.model(self.embed(block)[None], self.cache, last)
+        return self.head(h[:, 1 : k + 1])[0]
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
+        k = min(k, self.block - 1)
+        logits = self.block_logits(tokens, k)
+        if logits is None:
+            return None
+        if type(sampling) is SamplingParams:  # every position at once, each from its own q_i
+            drafted, lp = sampling.sample_with_logprobs(logits)
+        else:  # a chain sampler (constraint masks follow the drafts): one row at a time
+            pairs = [sampling.sample_with_logprobs(logits[i : i + 1]) for i in range(k)]
+            drafted = mx.concatenate([t.reshape(-1) for t, _ in pairs])
+            lp = mx.concatenate([p for _, p in pairs])
+        self.last_logprobs = lp
+        return Draft(drafted.astype(mx.uint32), None if sampling.greedy else lp)
