@@ -1,0 +1,124 @@
+"""Temperature > 0 with a DFlash drafter: the committed tokens follow plain sampling's
+distribution, drafted and scored at several positions.
+
+The engine drafts 3 tokens per step (each from its own block position's q_i) and the first 3
+committed tokens are scored JOINTLY against their exact distribution (enumerated with the
+target), together with the first two (the pair), Bonferroni at ALPHA / 3 each.
+
+Power, computed beside the test (``test_the_test_has_power``): against the alternative "the
+token at position 2 is off by 3 points of probability" (in every context, 0.03 of its
+conditional moves from the most likely token to the least likely one: stats_helpers.shift_at),
+N draws give the battery a power >= 0.9 (0.99 at N = 1600 with this target; the 3-token joint
+test alone has little power against it, its cells are many and pooled: the pair test carries
+it). A planted rule that accepts every position against q_1 (the first block position's
+distribution) instead of its own q_i must fail the same test.
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+
+import tiny_dflash
+from mlxspec.engine.drafters.base import Draft
+from mlxspec.engine.drafters.dflash import DFlashDrafter
+from mlxspec.engine.sampling import SamplingParams
+from mlxspec.engine.speculate import SpeculativeDecoder
+from mlxspec.models.loader import load_model
+from stats_helpers import chi_square_p, chi_square_power, exact_joint, marginal, shift_at
+
+ALPHA = 1e-3  # false-alarm rate of the whole battery
+PARAMS = SamplingParams(temperature=0.7, top_p=0.98, min_p=0.01)
+PROMPT = [2, 3, 2, 3, 2, 3, 2]
+LENGTH, DEPTH = 3, 3
+N = 1600  # from the power computation below
+N_PLANTED = 800
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_vocab8, tmp_path_factory):
+    target = load_model(str(tiny_vocab8))
+    folder = tiny_dflash.write_dflash_checkpoint(tmp_path_factory.mktemp("vocab8-DFlash"), tiny_vocab8,
+                                                 seed=3, mask_token_id=0, weight_scale=0.1)
+    return target.model, load_model(str(folder)).model
+
+
+def battery(counts: Counter, probs: dict, n: int) -> dict:
+    """p-values of the joint (3 tokens), pair and first-token tests."""
+    return {length: chi_square_p(marginal_counts(counts, length), marginal(probs, length), n)
+            for length in (LENGTH, 2)}
+
+
+def marginal_counts(counts: Counter, length: int) -> Counter:
+    out = Counter()
+    for seq, c in counts.items():
+        out[seq[:length]] += c
+    return out
+
+
+def rejects(pvalues: dict) -> bool:
+    return min(pvalues.values()) < ALPHA / 3
+
+
+def sample(target, drafter, n):
+    dec = SpeculativeDecoder(target, drafter=drafter, gates=False, depth=DEPTH)
+    counts, reached = Counter(), [0] * DEPTH
+    for i in range(n):
+        out, stats = [], None
+        for toks, stats in dec.generate(PROMPT, sampling=PARAMS, max_tokens=LENGTH + 1, seed=50_000 + i):
+            out.extend(toks)
+        counts[tuple(out[:LENGTH])] += 1
+        for pos, d in enumerate(stats.position_drafted[:DEPTH]):
+            reached[pos] += d - stats.position_accepted[pos]  # rejections at each position
+    return counts, reached
+
+
+def test_the_test_has_power(pair):
+    target, _ = pair
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    alt = shift_at(probs, 1)  # position 2 (index 1) off by 3 points
+    power = chi_square_power(marginal(probs, 2), marginal(alt, 2), N, ALPHA / 3)
+    assert power >= 0.9, power
+
+
+class PositionalDFlash(DFlashDrafter):
+    """The random tiny drafter with a different token favoured at each block position: its
+    q_i differ from one position to the next as a trained drafter's do (a random one's barely
+    do), so a rule that mixes positions up shows."""
+
+    def block_logits(self, tokens, k):
+        logits = super().block_logits(tokens, k)
+        if logits is None:
+            return None
+        favoured = mx.array([(3 * i + 1) % logits.shape[-1] for i in range(k)])
+        bias = (mx.arange(logits.shape[-1])[None] == favoured[:, None]).astype(logits.dtype) * 2.5
+        return logits + bias
+
+
+class FirstQEverywhere(PositionalDFlash):
+    """Planted bug: each drafted token is drawn from its own q_i, but acceptance is told q_1."""
+
+    def propose(self, tokens, k, sampling):
+        draft = super().propose(tokens, k, sampling)
+        if draft is None or draft.logprobs is None:
+            return draft
+        wrong = mx.broadcast_to(draft.logprobs[:1], draft.logprobs.shape)
+        return Draft(draft.tokens, wrong, draft.host)
+
+
+@pytest.mark.slow
+def test_dflash_sampling_is_exact_at_every_position(pair):
+    target, model = pair
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    counts, rejected = sample(target, PositionalDFlash(model, target), N)
+    assert all(r > 50 for r in rejected), rejected  # rejections at positions 1, 2 and 3
+    pvalues = battery(counts, probs, N)
+    assert not rejects(pvalues), pvalues
+
+
+@pytest.mark.slow
+def test_the_planted_wrong_q_is_caught(pair):
+    target, model = pair
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    counts, _ = sample(target, FirstQEverywhere(model, target), N_PLANTED)
+    assert rejects(battery(counts, probs, N_PLANTED))
