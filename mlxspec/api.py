@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
+from .engine.drafters.registry import resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
-from .engine.speculate import SpeculativeDecoder, resolve_drafter
+from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
 from .errors import DrafterError, InvalidCheckpointError, ModelNotFoundError, UsageError
 from .models.loader import LoadedModel, load_model

@@ -85,3 +85,25 @@ def final_softcap(lm) -> Callable | None:
     import mlx.core as mx
 
     return lambda x: mx.tanh(x / cap) * cap
+
+
+def tree_attention_classes() -> tuple[type, ...]:
+    """mlx-lm attention classes whose ``__call__(x, mask, cache)`` ropes queries and keys with
+    ``self.rope(t, offset=cache.offset)``, appends them to the cache and hands ``mask`` unchanged
+    to ``scaled_dot_product_attention``: a tree verify (models/tree_attention.py) gives them
+    per-token positions and its own mask there (llama, qwen2, qwen2_moe, qwen3, qwen3_moe, and
+    qwen3_next's, which qwen3_5 / qwen3_5_moe use)."""
+    from mlx_lm.models import llama, qwen2, qwen2_moe, qwen3, qwen3_moe, qwen3_next
+
+    return (llama.Attention, qwen2.Attention, qwen2_moe.Attention, qwen3.Attention,
+            qwen3_moe.Attention, qwen3_next.Qwen3NextAttention)
+
+
+def array_offset_ropes() -> tuple[type, ...]:
+    """mlx-lm rope modules (``rope_utils.initialize_rope``'s) whose ``__call__(x, offset)`` hands
+    ``offset`` to ``mx.fast.rope`` untouched, so an array of per-batch-item offsets works
+    (``DynamicNTKScalingRoPE`` computes its base from the offset as a number: not it)."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
+
+    return (nn.RoPE, Llama3RoPE, YarnRoPE, SuScaledRoPE, ProportionalRoPE)

@@ -14,8 +14,9 @@ from mlx_lm.generate import generate_step
 import tiny_dflash
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.dflash import DFlashDrafter
+from mlxspec.engine.drafters.registry import make_drafter
 from mlxspec.engine.prefix_cache import PrefixCache
-from mlxspec.engine.speculate import SpeculativeDecoder, make_drafter
+from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError, InvalidCheckpointError, UsageError
 from mlxspec.models import dflash
 from mlxspec.models.loader import load_model

@@ -18,8 +18,9 @@ import pytest
 import tiny_gemma4
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.assistant import AssistantDrafter
+from mlxspec.engine.drafters.registry import resolve_drafter
 from mlxspec.engine.sampling import SamplingParams
-from mlxspec.engine.speculate import SpeculativeDecoder, resolve_drafter
+from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.errors import DrafterError, UsageError
 from mlxspec.models.gemma4_assistant import load_assistant
 from mlxspec.models.loader import load_model

@@ -199,7 +199,7 @@ class Bench:
         spec = self.spec
         if engine in ("mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant") and spec.draft is None:
             return "needs --draft-model"
-        from ..engine.speculate import resolve_drafter
+        from ..engine.drafters.registry import resolve_drafter
 
         assistant = spec.draft is not None and resolve_drafter("auto", spec.draft.model, None) == "assistant"
         if engine in ("mlx-lm-draft", "mlxspec-draft") and assistant:

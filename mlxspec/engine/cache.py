@@ -173,6 +173,11 @@ class ModelState:
         self.length = 0
         self._segments: list[_Segment] = []
 
+    @property
+    def recurrent(self) -> bool:
+        """Whether the model has recurrent (GatedDeltaNet / SSM) layers."""
+        return bool(self._arrays)
+
     def close(self) -> None:
         """The request is over: stop capturing layer outputs."""
         if self._capture is not None:
@@ -226,20 +231,26 @@ class ModelState:
         taping = rollback and self._taped is not None and tokens.shape[0] > 1
         for c in self._arrays if taping else ():
             c.record_tape = True
-        if self._trunk is None:
-            logits = self.model(tokens[None], cache=self.cache)[0]
-            if self._capture is not None:
-                self.hidden = self._capture.take()
-        else:
-            h = self._trunk.body(tokens[None], cache=self.cache)
-            self.hidden = h[0]
-            logits = self._trunk.head(h)[0]
+        logits = self.feed(tokens)
         if taping:
             seg.tapes = [c.tape for c in self._arrays]
             for c in self._arrays:
                 c.record_tape, c.tape = False, None
         self.length += tokens.shape[0]
         return logits
+
+    def feed(self, tokens: mx.array) -> mx.array:
+        """One model call on ``tokens`` (1-D): logits (n, V), and (``keep_hidden`` / ``capture``)
+        their hidden rows in ``hidden``. No rollback record, ``length`` unchanged: for a feed the
+        caller accounts for (``forward``; a tree verify, ``engine/tree_forward.py``)."""
+        if self._trunk is None:
+            logits = self.model(tokens[None], cache=self.cache)[0]
+            if self._capture is not None:
+                self.hidden = self._capture.take()
+            return logits
+        h = self._trunk.body(tokens[None], cache=self.cache)
+        self.hidden = h[0]
+        return self._trunk.head(h)[0]
 
     def snapshot(self) -> Snapshot | None:
         """The cache's contents now (``length`` tokens), or None if they cannot be copied."""

@@ -25,6 +25,9 @@ class CostModel:
     slope: float = 0.1  # extra cost per extra token where no measured curve exists
     curve: dict[int, float] = field(default_factory=dict)  # measured (engine/costs.py, tune)
     measured: bool = False
+    # a draft tree's forward over a chain verify of as many rows, on a hybrid target (its
+    # recurrence runs level by level); attention-only targets pay the chain's cost
+    tree_factor: float = 2.0
 
     def verify(self, n: int) -> float:
         if n in self.curve:

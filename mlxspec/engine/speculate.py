@@ -17,23 +17,19 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..errors import DrafterError, UsageError
-from ..models.dflash import DFlashDraftModel
-from ..models.gemma4_assistant import Gemma4Assistant
 from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
-from .cache import ModelState, model_nbytes
+from .cache import ModelState
 from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
-from .drafters.assistant import AssistantDrafter
 from .drafters.base import Draft, Drafter
-from .drafters.dflash import DFlashDrafter
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.mtp import MTPDrafter
-from .drafters.pld import PromptLookupDrafter, repetition_score
+from .drafters.pld import repetition_score
+from .drafters.registry import make_drafter
 from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
 from .logprobs import TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
+from .tree_step import TreePolicy, TreeUnsupported, tree_step
 
 
 @dataclass
@@ -46,55 +42,6 @@ class _Guess:
     bonus: int
     drafts: list[int]
     logprobs: mx.array | None = None
-
-
-def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead | None) -> str:
-    """The drafter NAME stands for: ``auto`` is the draft model if given (``assistant`` when it
-    is a Gemma-4 assistant, ``dflash`` for a DFlash drafter), else the model's own MTP head,
-    else prompt lookup; any other name is itself."""
-    if name == "auto":
-        if isinstance(draft_model, Gemma4Assistant):
-            return "assistant"
-        if isinstance(draft_model, DFlashDraftModel):
-            return "dflash"
-        return "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
-    return name
-
-
-def make_drafter(
-    name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None,
-    cost_per_token: float | None = None,
-) -> Drafter | None:
-    """The drafter NAME resolves to (:func:`resolve_drafter`); ``cost_per_token``, a measured
-    cost of one draft step, replaces the drafter's own estimate."""
-    name = resolve_drafter(name, draft_model, mtp_head)
-    if name == "none":
-        return None
-    if name == "pld":
-        return PromptLookupDrafter(cost_per_token=cost_per_token)
-    if name == "draft":
-        if draft_model is None:
-            raise UsageError("--drafter draft needs --draft-model")
-        if isinstance(draft_model, Gemma4Assistant):
-            raise UsageError("the draft model is a Gemma-4 assistant: use --drafter assistant (or auto)")
-        if isinstance(draft_model, DFlashDraftModel):
-            raise UsageError("the draft model is a DFlash drafter: use --drafter dflash (or auto)")
-        return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
-    if name == "dflash":
-        if not isinstance(draft_model, DFlashDraftModel):
-            raise UsageError("--drafter dflash needs --draft-model pointing at a DFlash drafter checkpoint")
-        return DFlashDrafter(draft_model, target, model_nbytes(target), cost_per_token)
-    if name == "assistant":
-        if not isinstance(draft_model, Gemma4Assistant):
-            raise UsageError("--drafter assistant needs --draft-model pointing at a Gemma-4 assistant checkpoint")
-        return AssistantDrafter(draft_model, target, model_nbytes(target), cost_per_token)
-    if name == "mtp":
-        if mtp_head is None:
-            raise DrafterError(
-                "this model has no MTP head; use --drafter pld, or --drafter draft with --draft-model"
-            )
-        return MTPDrafter(mtp_head, model_nbytes(target), cost_per_token)
-    raise UsageError(f"unknown drafter {name!r}")
 
 
 class SpeculativeDecoder:
@@ -112,9 +59,12 @@ class SpeculativeDecoder:
         gates: bool = True,
         cost: CostModel | None = None,
         draft_cost: float | None = None,
+        tree: int | None | str = "default",
     ):
         """``cost``: the target's measured verify cost; ``draft_cost``: the measured cost of
-        one step of the drafter named by DRAFTER (a Drafter brings its own)."""
+        one step of the drafter named by DRAFTER (a Drafter brings its own). ``tree``: draft
+        trees of at most that many nodes, 0 none, None chosen from the cost curve; "default"
+        is the drafter's own default (DFlash: chosen; others: none)."""
         self.model = model
         self.drafter = drafter if isinstance(drafter, Drafter) else make_drafter(
             drafter, model, draft_model, mtp_head, draft_cost
@@ -125,6 +75,9 @@ class SpeculativeDecoder:
         self.max_depth = max_depth or depth or default_max
         self.gates = gates
         self.cost = cost
+        if tree == "default":
+            tree = None if getattr(self.drafter, "trees_by_default", False) else 0
+        self.tree = tree
 
     def generate(
         self,
@@ -205,6 +158,10 @@ class _Run:
             self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
             if not self.drafter.uses_model:
                 self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
+        self.trees = None
+        if self.drafter is not None and dec.tree != 0:
+            factor = self.gate.cost.tree_factor if self.target.recurrent else 1.0
+            self.trees = TreePolicy(dec.tree, self.gate.cost, factor)
         # Pipelining: host drafters can guess the next verify before this one is read
         self.ahead = AheadGate() if self.drafter is not None and not self.drafter.uses_model else None
         self.guess: _Guess | None = None
@@ -260,13 +217,16 @@ class _Run:
         try:
             while not self.done:
                 remaining = self.max_tokens - self.emitted
-                draft = None
+                draft = new = None
                 if pending is None and remaining > 1 and self.drafter is not None:
                     k = min(self.gate.depth(), remaining - 1)
                     self._sync_gate()
-                    if k > 0:
+                    new = self._tree(k) if k > 0 else None
+                    if k > 0 and new is None:
                         draft = self.drafter.propose(self.tokens, k, self._draft_sampling())
-                if draft is not None:
+                if new is not None:
+                    pass
+                elif draft is not None:
                     new = self._speculative_step(draft)
                 else:
                     self._settle_guess(None)
@@ -388,6 +348,31 @@ class _Run:
             self._pass_hidden(self.target.hidden)
             mx.async_eval(nxt)
         return pending.item(), nxt
+
+    def _tree(self, k: int) -> list[int] | None:
+        """A tree step when the policy says one pays (see tree_step.py); None: draft a chain."""
+        if self.trees is None or self._reads_rows:  # constraint masks and logprobs follow chains
+            return None
+        d = self.drafter
+        budget = self.trees.budget(k, self.gate.model.expected_tokens(k), d.cost_per_step + k * d.cost_per_token)
+        tree = d.propose_tree(self.tokens, k, budget, self.sampling) if budget > k else None
+        if tree is None or not len(tree):
+            return None
+        self._settle_guess(None)
+        try:
+            out = tree_step(self, tree)
+        except TreeUnsupported as err:  # raised before any cache changed: chains from now on
+            self.trees.unsupported = str(err)
+            d.rollback(len(self.tokens) - 1)
+            return None
+        self.trees.observe(out)
+        self.tokens.extend(out.new)
+        self.stats.record_verify(out.depth, out.accepted)
+        self.stats.record_tree(len(tree))
+        self.gate.observe(out.depth, out.chain_accepted)
+        if self.shadow is not None:
+            self.shadow.reset()
+        return out.new
 
     # -- pipelining -------------------------------------------------------------------
     def _settle_guess(self, draft) -> mx.array | None:

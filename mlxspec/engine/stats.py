@@ -34,6 +34,8 @@ class Stats:
     # verifies queued before the step before them was read: used as queued, or dropped
     queued_used: int = 0
     queued_dropped: int = 0
+    tree_steps: int = 0  # verifies of a draft tree (counted in verify_steps too)
+    tree_nodes: int = 0  # draft nodes those trees held
     # per draft position i: how often a draft reached position i and how often it was accepted
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -58,6 +60,10 @@ class Stats:
             self.position_drafted[i] += 1
             if i < accepted:
                 self.position_accepted[i] += 1
+
+    def record_tree(self, nodes: int) -> None:
+        self.tree_steps += 1
+        self.tree_nodes += nodes
 
     def record_gate(self, enabled: bool, reason: str) -> None:
         self.gate_events.append(GateEvent(self.generated_tokens, enabled, reason))

@@ -16,9 +16,10 @@ from ..engine.cache import ModelState
 from ..engine.costs import call_times, measure_verify_cost, verify_times
 from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.drafters.dflash import DFlashDrafter
+from ..engine.drafters.registry import resolve_drafter
 from ..engine.gates import AcceptanceModel, CostModel, expected_speedup
 from ..engine.sampling import SamplingParams
-from ..engine.speculate import SpeculativeDecoder, resolve_drafter
+from ..engine.speculate import SpeculativeDecoder
 from .prompts import PROMPTS
 from .storage import FORMAT_VERSION, machine_info, model_info, save_result
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from ..tree import tree_from_chain_topk
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass
@@ -15,6 +18,7 @@ class Draft:
     tokens: mx.array  # (k,) proposed tokens, on device
     logprobs: mx.array | None = None  # (k, V) processed q they were drawn from; None = one-hot
     host: list[int] | None = None  # the same tokens on the host, when drafted there
+    rows: mx.array | None = None  # (k, V) processed rows each position was drawn from (trees rank them)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -37,6 +41,8 @@ class Drafter(ABC):
     # Whether it drafts from the target's hidden states (MTP heads): then the engine passes
     # them, one row per committed position, in order.
     needs_hidden: bool = False
+    # Whether draft trees are tried unless asked otherwise (the cost model still decides).
+    trees_by_default: bool = False
     # Target layers whose outputs make those rows (DFlash); None: the final-norm hidden state.
     capture_layers: tuple[int, ...] | None = None
 
@@ -82,6 +88,17 @@ class Drafter(ABC):
     def rollback(self, committed: int) -> None:
         """``tokens[:committed]`` are final; forget anything drafted past them."""
 
+    def propose_tree(self, tokens: list[int], k: int, budget: int, sampling: SamplingParams):
+        """A draft tree (engine.tree.DraftTree) of at most ``budget`` nodes and depth ``k``, or
+        None when this drafter has nothing better than its chain. The default: the chain
+        drawn greedily (deterministic, so the tree walk is exact at any temperature) with
+        the next best tokens of each position's row as siblings."""
+        draft = self.propose(tokens, k, GREEDY)
+        if draft is None or draft.rows is None:
+            return None
+        chain = draft.host if draft.host is not None else draft.tokens.tolist()
+        return tree_from_chain_topk(draft.rows, chain, budget)
+
 
 def sample_chain(logits: mx.array, k: int, sampling: SamplingParams, step) -> Draft:
     """Draw k tokens one after another: each is fed back through ``step(i, token)``, which
@@ -93,5 +110,5 @@ def sample_chain(logits: mx.array, k: int, sampling: SamplingParams, step) -> Dr
         logprobs.append(lp)
         if i + 1 < k:
             logits = step(i + 1, tok.astype(mx.uint32))
-    q = None if sampling.greedy else mx.concatenate(logprobs)
-    return Draft(mx.concatenate(drafted).astype(mx.uint32), q)
+    rows = mx.concatenate(logprobs)
+    return Draft(mx.concatenate(drafted).astype(mx.uint32), None if sampling.greedy else rows, rows=rows)

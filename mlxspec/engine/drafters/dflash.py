@@ -25,6 +25,7 @@ from ...models.dflash import DFlashDraftModel
 from ...models.trunk import split_trunk
 from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
+from ..tree import tree_from_marginals
 from .base import Draft, Drafter
 
 DEFAULT_SINK = 64
@@ -35,6 +36,7 @@ class DFlashDrafter(Drafter):
     name = "dflash"
     uses_model = True
     needs_hidden = True
+    trees_by_default = True  # its block gives every position's distribution at once
 
     def __init__(self, model: DFlashDraftModel, target: nn.Module, target_nbytes: int | None = None,
                  cost_per_step: float | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW):
@@ -53,7 +55,6 @@ class DFlashDrafter(Drafter):
         else:
             self.cost_per_step = 0.2
         self.cost_per_token = 0.0
-        self.last_logprobs: mx.array | None = None  # (k, V) processed q rows of the last proposal
         self.start([])
 
     # -- context -------------------------------------------------------------------
@@ -151,5 +152,15 @@ class DFlashDrafter(Drafter):
             pairs = [sampling.sample_with_logprobs(logits[i : i + 1]) for i in range(k)]
             drafted = mx.concatenate([t.reshape(-1) for t, _ in pairs])
             lp = mx.concatenate([p for _, p in pairs])
-        self.last_logprobs = lp
-        return Draft(drafted.astype(mx.uint32), None if sampling.greedy else lp)
+        return Draft(drafted.astype(mx.uint32), None if sampling.greedy else lp, rows=lp)
+
+    def propose_tree(self, tokens: list[int], k: int, budget: int, sampling: SamplingParams):
+        """A tree over the block's per-position distributions (q_i does not depend on the
+        tokens before position i, so every prefix's children come from the same row):
+        top-k children best-first at temperature 0 (DDTree), children drawn i.i.d. from q_i
+        above it (checked with SpecInfer's rule)."""
+        k = min(k, self.block - 1)
+        logits = self.block_logits(tokens, k)
+        if logits is None:
+            return None
+        return tree_from_marginals(sampling.logprobs(logits), budget, sampled=not sampling.greedy)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import SamplingParams
+from ..tree import tree_from_paths
 from .base import Draft, Drafter
 
 
@@ -25,10 +26,13 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self._index: dict[tuple[int, ...], int] = {}
+        # the earlier ends of each n-gram, newest last (a few): further candidates for trees
+        self._earlier: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending at positions < _indexed are in the index
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self._index.clear()
+        self._earlier.clear()
         self._indexed = 0
 
     def _catch_up(self, tokens: list[int]) -> None:
@@ -37,8 +41,38 @@ class PromptLookupDrafter(Drafter):
         for i in range(self._indexed, end):
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if i + 1 >= n:
-                    self._index[tuple(tokens[i + 1 - n : i + 1])] = i
+                    gram = tuple(tokens[i + 1 - n : i + 1])
+                    old = self._index.get(gram)
+                    if old is not None:
+                        ends = self._earlier.setdefault(gram, [])
+                        ends.append(old)
+                        del ends[: -self.PATHS]
+                    self._index[gram] = i
         self._indexed = max(self._indexed, end)
+
+    PATHS = 4  # candidate continuations a tree merges at most
+
+    def paths(self, tokens: list[int], k: int) -> list[list[int]]:
+        """Up to PATHS different continuations: after the latest match of the longest suffix
+        first (what :meth:`lookup` proposes), then earlier matches, then shorter suffixes'."""
+        if k <= 0 or len(tokens) < self.min_ngram + 1:
+            return []
+        self._catch_up(tokens)
+        found: list[list[int]] = []
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            gram = tuple(tokens[-n:])
+            ends = ([self._index[gram]] if gram in self._index else []) + self._earlier.get(gram, [])[::-1]
+            for pos in ends:
+                path = self._copy(tokens, pos, k)
+                if path and path not in found:
+                    found.append(path)
+                if len(found) == self.PATHS:
+                    return found
+        return found
+
+    def propose_tree(self, tokens: list[int], k: int, budget: int, sampling: SamplingParams):
+        found = self.paths(tokens, k)
+        return tree_from_paths(found, budget) if len(found) > 1 else None
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.peek(tokens, [], k)
@@ -47,13 +81,17 @@ class PromptLookupDrafter(Drafter):
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             pos = self._index.get(tuple(tokens[-n:]))
             if pos is not None:
-                # Copy forward from the match; a match close to the end copies its own
-                # output, so a periodic run (x y x y ...) yields a full-length draft.
-                found = tokens[pos + 1 : pos + 1 + k]
-                while len(found) < k:
-                    found.append(found[len(found) - (len(tokens) - pos - 1)])
-                return found
+                return self._copy(tokens, pos, k)
         return []
+
+    @staticmethod
+    def _copy(tokens: list[int], pos: int, k: int) -> list[int]:
+        # Copy forward from the match; a match close to the end copies its own output, so a
+        # periodic run (x y x y ...) yields a full-length draft.
+        found = tokens[pos + 1 : pos + 1 + k]
+        while len(found) < k:
+            found.append(found[len(found) - (len(tokens) - pos - 1)])
+        return found
 
     def peek(self, tokens: list[int], extra: list[int], k: int) -> list[int]:
         # Only the committed tokens are indexed: n-grams ending inside ``extra`` are not

@@ -1,0 +1,66 @@
+"""Which drafter a name stands for, and building it: the one place that knows every drafter."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from ...errors import DrafterError, UsageError
+from ...models.dflash import DFlashDraftModel
+from ...models.gemma4_assistant import Gemma4Assistant
+from ...models.mtp.head import MTPHead
+from ..cache import model_nbytes
+from .assistant import AssistantDrafter
+from .base import Drafter
+from .dflash import DFlashDrafter
+from .draft_model import DraftModelDrafter
+from .mtp import MTPDrafter
+from .pld import PromptLookupDrafter
+
+
+def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead | None) -> str:
+    """The drafter NAME stands for: ``auto`` is the draft model if given (``assistant`` when it
+    is a Gemma-4 assistant, ``dflash`` for a DFlash drafter), else the model's own MTP head,
+    else prompt lookup; any other name is itself."""
+    if name == "auto":
+        if isinstance(draft_model, Gemma4Assistant):
+            return "assistant"
+        if isinstance(draft_model, DFlashDraftModel):
+            return "dflash"
+        return "draft" if draft_model is not None else "mtp" if mtp_head is not None else "pld"
+    return name
+
+
+def make_drafter(
+    name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None,
+    cost_per_token: float | None = None,
+) -> Drafter | None:
+    """The drafter NAME resolves to (:func:`resolve_drafter`); ``cost_per_token``, a measured
+    cost of one draft step, replaces the drafter's own estimate."""
+    name = resolve_drafter(name, draft_model, mtp_head)
+    if name == "none":
+        return None
+    if name == "pld":
+        return PromptLookupDrafter(cost_per_token=cost_per_token)
+    if name == "draft":
+        if draft_model is None:
+            raise UsageError("--drafter draft needs --draft-model")
+        if isinstance(draft_model, Gemma4Assistant):
+            raise UsageError("the draft model is a Gemma-4 assistant: use --drafter assistant (or auto)")
+        if isinstance(draft_model, DFlashDraftModel):
+            raise UsageError("the draft model is a DFlash drafter: use --drafter dflash (or auto)")
+        return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
+    if name == "dflash":
+        if not isinstance(draft_model, DFlashDraftModel):
+            raise UsageError("--drafter dflash needs --draft-model pointing at a DFlash drafter checkpoint")
+        return DFlashDrafter(draft_model, target, model_nbytes(target), cost_per_token)
+    if name == "assistant":
+        if not isinstance(draft_model, Gemma4Assistant):
+            raise UsageError("--drafter assistant needs --draft-model pointing at a Gemma-4 assistant checkpoint")
+        return AssistantDrafter(draft_model, target, model_nbytes(target), cost_per_token)
+    if name == "mtp":
+        if mtp_head is None:
+            raise DrafterError(
+                "this model has no MTP head; use --drafter pld, or --drafter draft with --draft-model"
+            )
+        return MTPDrafter(mtp_head, model_nbytes(target), cost_per_token)
+    raise UsageError(f"unknown drafter {name!r}")
