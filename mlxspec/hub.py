@@ -23,6 +23,7 @@ from .units import human_bytes
 
 MTP_PATTERNS = ["mtp.safetensors", "mtp/*.safetensors", "model-mtp.safetensors"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # models.dflash.ARCHITECTURE, read here without importing mlx
 
 
 class HubError(MlxspecError):
@@ -170,11 +171,34 @@ def _progress_class(on_total: Callable[[int], None], on_bytes: Callable[[int], N
     return _Bar
 
 
+def drafter_kind(config: dict | None) -> str | None:
+    """"dflash" or "assistant" for the config.json of a drafter-only checkpoint (mlxspec loads
+    it itself, beside its target), None for a model; config alone, no mlx import."""
+    from .models.gemma4_pairs import is_assistant_config
+
+    if not isinstance(config, dict):
+        return None
+    if DFLASH_ARCHITECTURE in (config.get("architectures") or []) or isinstance(config.get("dflash_config"), dict):
+        return "dflash"
+    return "assistant" if is_assistant_config(config) else None
+
+
+def cached_repo_ids() -> list[str]:
+    """The model repo ids in the Hugging Face cache, from its folder names (fast: no file is read)."""
+    try:
+        names = os.listdir(hf_cache_dir())
+    except OSError:
+        return []
+    return sorted(name[len("models--"):].replace("--", "/") for name in names if name.startswith("models--"))
+
+
 def _check_config(config_path: Path, repo_id: str) -> dict:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise InvalidCheckpointError(f"config.json of '{repo_id}' is not valid JSON: {type(err).__name__}") from None
+    if drafter_kind(config):  # a DFlash drafter or Gemma-4 assistant: not mlx-lm's to load
+        return config
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str):
         raise InvalidCheckpointError(
@@ -391,14 +415,9 @@ def _check_folder(path: Path, repo_id: str) -> dict:
 # -- listing --------------------------------------------------------------------------------
 
 
-def _text_config(config: dict) -> dict:
-    text = config.get("text_config")
-    return text if isinstance(text, dict) else {}
-
-
 def describe(path: Path, config: dict) -> dict:
-    """Architecture, quantization, MTP head and context length of a checkpoint folder."""
-    text = _text_config(config)
+    """Architecture, quantization, MTP head, context length and drafter kind of a checkpoint folder."""
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else {}
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = quant.get("bits") if isinstance(quant, dict) else None
     group = quant.get("group_size") if isinstance(quant, dict) else None
@@ -414,6 +433,7 @@ def describe(path: Path, config: dict) -> dict:
         "quantization": {"bits": bits, "group_size": group} if bits else None,
         "mtp": mtp,
         "context_length": context,
+        "drafter": drafter_kind(config),  # a drafter-only checkpoint: "dflash" or "assistant"
     }
 
 
@@ -440,7 +460,7 @@ def list_models() -> list[dict]:
             if not isinstance(config, dict):
                 raise ValueError
         except (OSError, ValueError):
-            row.update(architecture=None, quantization=None, mtp=False, context_length=None)
+            row.update(architecture=None, quantization=None, mtp=False, context_length=None, drafter=None)
         else:
             row.update(describe(path, config))
         rows.append(row)

@@ -64,6 +64,17 @@ def tiny_vocab8(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vocab8_dflash(tiny_vocab8, tmp_path_factory):
+    """tiny_vocab8 loaded as a user loads it, and a random DFlash drafter made for it."""
+    import tiny_dflash
+    from mlxspec.models.loader import load_model
+
+    folder = tiny_dflash.write_dflash_checkpoint(tmp_path_factory.mktemp("vocab8-DFlash"), tiny_vocab8,
+                                                 seed=3, mask_token_id=0, weight_scale=0.1)
+    return load_model(str(tiny_vocab8)).model, load_model(str(folder)).model
+
+
+@pytest.fixture(scope="session")
 def tiny_mismatched_vocab(tmp_path_factory):
     """qwen3 whose tokenizer (BPE, 384 tokens) differs from shared_tokenizer."""
     return _checkpoint(tmp_path_factory, "tiny_mismatched_vocab", "qwen3", vocab_size=384, seed=6)

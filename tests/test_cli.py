@@ -212,6 +212,29 @@ def test_help_lists_run_and_its_options():
         assert option in text
 
 
+def test_help_explains_every_drafter_and_preset():
+    """run, serve and bench say what each drafter (dflash included) and preset is."""
+    import typer
+
+    from mlxspec.presets import PRESETS
+
+    commands = typer.main.get_command(cli.app).commands
+
+    def help_of(command, option):
+        return next(p.help for p in commands[command].params if p.name == option)
+
+    for command in ("run", "serve"):
+        drafters = help_of(command, "drafter")
+        for name in cli.DRAFTERS:
+            assert f"{name} (" in drafters, (command, name)
+        assert "DFlash block drafter made for MODEL" in drafters and "-DFlash*" in drafters
+        presets = help_of(command, "preset")
+        assert all(name in presets for name in PRESETS) and "dflash (a DFlash drafter" in presets
+        assert "DFlash" in help_of(command, "draft_model")
+    assert "15 for dflash" in help_of("run", "depth")
+    assert "dflash" in help_of("bench", "drafter")
+
+
 def test_one_argument_is_a_prompt_unless_it_names_a_model(fake_load, tiny_llama):
     result = CliRunner().invoke(cli.app, ["run", "Write a haiku"])
     assert result.exit_code == 0, result.output

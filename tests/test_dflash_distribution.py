@@ -19,12 +19,10 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-import tiny_dflash
 from mlxspec.engine.drafters.base import Draft
 from mlxspec.engine.drafters.dflash import DFlashDrafter
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-from mlxspec.models.loader import load_model
 from stats_helpers import chi_square_p, chi_square_power, exact_joint, marginal, shift_at
 
 ALPHA = 1e-3  # false-alarm rate of the whole battery
@@ -33,14 +31,6 @@ PROMPT = [2, 3, 2, 3, 2, 3, 2]
 LENGTH, DEPTH = 3, 3
 N = 1600  # from the power computation below
 N_PLANTED = 800
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_vocab8, tmp_path_factory):
-    target = load_model(str(tiny_vocab8))
-    folder = tiny_dflash.write_dflash_checkpoint(tmp_path_factory.mktemp("vocab8-DFlash"), tiny_vocab8,
-                                                 seed=3, mask_token_id=0, weight_scale=0.1)
-    return target.model, load_model(str(folder)).model
 
 
 def battery(counts: Counter, probs: dict, n: int) -> dict:
@@ -73,8 +63,8 @@ def sample(target, drafter, n):
     return counts, reached
 
 
-def test_the_test_has_power(pair):
-    target, _ = pair
+def test_the_test_has_power(vocab8_dflash):
+    target, _ = vocab8_dflash
     probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
     alt = shift_at(probs, 1)  # position 2 (index 1) off by 3 points
     power = chi_square_power(marginal(probs, 2), marginal(alt, 2), N, ALPHA / 3)
@@ -107,8 +97,8 @@ class FirstQEverywhere(PositionalDFlash):
 
 
 @pytest.mark.slow
-def test_dflash_sampling_is_exact_at_every_position(pair):
-    target, model = pair
+def test_dflash_sampling_is_exact_at_every_position(vocab8_dflash):
+    target, model = vocab8_dflash
     probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
     counts, rejected = sample(target, PositionalDFlash(model, target), N)
     assert all(r > 50 for r in rejected), rejected  # rejections at positions 1, 2 and 3
@@ -117,8 +107,8 @@ def test_dflash_sampling_is_exact_at_every_position(pair):
 
 
 @pytest.mark.slow
-def test_the_planted_wrong_q_is_caught(pair):
-    target, model = pair
+def test_the_planted_wrong_q_is_caught(vocab8_dflash):
+    target, model = vocab8_dflash
     probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
     counts, _ = sample(target, FirstQEverywhere(model, target), N_PLANTED)
     assert rejects(battery(counts, probs, N_PLANTED))

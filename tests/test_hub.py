@@ -164,6 +164,33 @@ def test_unsupported_architecture(fake_hub):
     assert not fake_hub.gets("model.safetensors")  # refused before the weights moved
 
 
+def test_pull_a_drafter_without_a_tokenizer(fake_hub, tiny_qwen3, tmp_path):
+    """A DFlash drafter (z-lab layout: config.json, model.safetensors, its remote code; no
+    tokenizer) and a Gemma-4 assistant pull as models do, and say how they are used."""
+    import tiny_dflash
+
+    drafter = tiny_dflash.write_dflash_checkpoint(tmp_path / "drafter", tiny_qwen3)
+    fake_hub.add_folder("z-lab/tiny-qwen3-DFlash-b16", drafter, extra={"dflash.py": b"# remote code\n"})
+    result = invoke("pull", "z-lab/tiny-qwen3-DFlash-b16")
+    assert result.exit_code == 0, result.output
+    assert "is a DFlash drafter, not a model" in result.stderr
+    assert "--draft-model z-lab/tiny-qwen3-DFlash-b16" in result.stderr
+    config = tiny_dflash.dflash_config(tiny_dflash.target_text_config(tiny_qwen3))
+    del config["model_type"]  # a drafter's model_type is not mlx-lm's to load: not checked
+    fake_hub.add_files("other/no-type-DFlash", {"config.json": json.dumps(config).encode(),
+                                                "model.safetensors": (drafter / "model.safetensors").read_bytes()})
+    fake_hub.add_files("google/tiny-assistant", {"config.json": b'{"model_type": "gemma4_assistant"}',
+                                                 "model.safetensors": b"x" * 100})
+    for repo in ("other/no-type-DFlash", "google/tiny-assistant"):
+        result = invoke("pull", repo)
+        assert result.exit_code == 0, result.output
+    rows = {row["repo_id"]: row for row in json.loads(invoke("list", "--json").stdout)}
+    assert rows["z-lab/tiny-qwen3-DFlash-b16"]["drafter"] == "dflash"
+    assert rows["other/no-type-DFlash"]["drafter"] == "dflash"
+    assert rows["google/tiny-assistant"]["drafter"] == "assistant"
+    assert "Gemma-4 assistant" in invoke("list").stdout
+
+
 def test_disk_full(fake_hub, tiny_qwen3, monkeypatch):
     import errno
 
@@ -198,6 +225,7 @@ def test_list_json_and_rm(fake_hub, tiny_qwen3, tiny_qwen3_5, tmp_path):
     assert set(rows) == {REPO, "tiny-org/quantized", "tiny-org/with-mtp"}
     plain = rows[REPO]
     assert plain["architecture"] == "qwen3" and plain["quantization"] is None and plain["mtp"] is False
+    assert plain["drafter"] is None
     assert plain["size_bytes"] > (tiny_qwen3 / "model.safetensors").stat().st_size
     assert isinstance(plain["context_length"], int)
     assert rows["tiny-org/quantized"]["quantization"] == {"bits": 4, "group_size": 64}

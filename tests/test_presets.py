@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from mlxspec import cli, hardware, presets
 from mlxspec.errors import UsageError
+from mlxspec.options import DEFAULT_MAX_DEPTH
 
 GiB = 1 << 30
 BIG_MAC = hardware.Profile(os="macOS", chip="Apple M4 Pro", memory_bytes=48 * GiB,
@@ -14,10 +15,14 @@ BIG_MAC = hardware.Profile(os="macOS", chip="Apple M4 Pro", memory_bytes=48 * Gi
 
 
 def test_table():
-    assert list(presets.PRESETS) == ["auto", "mtp", "pld", "draft", "assistant", "off"]
+    assert list(presets.PRESETS) == ["auto", "mtp", "pld", "draft", "assistant", "dflash", "off"]
     for p in presets.PRESETS.values():
         assert p.description and p.drafter in cli.DRAFTERS
+        assert p.max_depth is None or p.max_depth == DEFAULT_MAX_DEPTH[p.drafter]
     assert presets.PRESETS["off"].drafter == "none" and not presets.PRESETS["off"].gates
+    dflash = presets.PRESETS["dflash"]
+    assert dflash.drafter == "dflash" and dflash.gates and "DFlash" in dflash.description
+    assert "DFlash" in presets.PRESETS["auto"].description
 
 
 def test_auto_picks_mtp_for_a_model_with_a_head(tiny_qwen3_5):

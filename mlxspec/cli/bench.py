@@ -216,8 +216,8 @@ ChatUserTokensOption = Annotated[Optional[int], typer.Option(
          "--chat-context is too short for that).")]
 DrafterOption = Annotated[Optional[str], typer.Option(
     "--drafter", metavar="NAME", show_default=False,
-    help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, draft "
-         "(with --draft-model), auto.")]
+    help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, auto, draft / "
+         "assistant / dflash (with --draft-model: a draft model, Gemma-4 assistant, DFlash drafter).")]
 RealShapesOption = Annotated[Optional[str], typer.Option(
     "--real-shapes", metavar="SHAPES", show_default=False,
     help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
@@ -463,8 +463,8 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
     else:
         _check(drafter in DRAFTERS, f"--drafter must be one of {', '.join(DRAFTERS)}; got {drafter}")
         _check(drafter != "draft" or draft_model is not None, "--drafter draft needs --draft-model")
-        _check(drafter in ("draft", "assistant", "auto") or draft_model is None,
-               f"--draft-model is only used by --drafter draft, assistant or auto, not {drafter}")
+        _check(drafter in ("draft", "assistant", "dflash", "auto") or draft_model is None,
+               f"--draft-model is only used by --drafter draft, assistant, dflash or auto, not {drafter}")
         if context is not None:
             plan(context)  # a bad plan fails before the model loads
         spec = _load_chat_model(model, draft_model, dtype)

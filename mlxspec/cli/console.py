@@ -34,6 +34,36 @@ def complete_model(incomplete: str) -> list[str]:
     return [name for name in dict.fromkeys(names) if name.lower().startswith(incomplete.lower())]
 
 
+# what each drafter is, in the help of every command taking --drafter (keys: options.DRAFTERS)
+DRAFTER_HELP = {
+    "auto": "a --draft-model if given, else a DFlash drafter or Gemma-4 assistant found beside MODEL, "
+            "else MODEL's own MTP head if it has one, else prompt lookup; or the drafter `mlxspec tune` "
+            "rated fastest",
+    "pld": "prompt lookup",
+    "draft": "a draft model sharing MODEL's tokenizer, needs --draft-model",
+    "mtp": "MODEL's native multi-token-prediction head",
+    "assistant": "a Gemma-4 target's assistant drafter: --draft-model, or <MODEL>-assistant beside it",
+    "dflash": "a DFlash block drafter made for MODEL: a block of drafts per forward from MODEL's own "
+              "features; --draft-model, or <MODEL>-DFlash* beside it or in the Hugging Face cache",
+    "none": "plain decoding",
+}
+
+
+def drafters_help() -> str:
+    """Every drafter with what it is, as one sentence for --help."""
+    parts = [f"{name} ({DRAFTER_HELP[name]})" for name in DRAFTERS]
+    return ", ".join(parts[:-1]) + " or " + parts[-1] + "."
+
+
+def presets_help(**notes: str) -> str:
+    """The preset names for --help, each with its NOTES if any: "auto, ..., dflash (...) or off"."""
+    from ..presets import PRESETS
+
+    notes = {"dflash": "a DFlash drafter made for MODEL", **notes}
+    names = [f"{name} ({notes[name]})" if name in notes else name for name in PRESETS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def complete_drafter(incomplete: str) -> list[str]:
     return [name for name in DRAFTERS if name.startswith(incomplete)]
 
@@ -135,18 +165,6 @@ def model_errors(model, draft_model=None):
         raise ModelNotFoundError(better) from None
 
 
-def cached_repo_ids() -> list[str]:
-    """The model repo ids in the Hugging Face cache, read from its folder names (fast: no file
-    is opened)."""
-    from ..models.loader import hf_cache_dir
-
-    try:
-        names = os.listdir(hf_cache_dir())
-    except OSError:
-        return []
-    return sorted(name[len("models--"):].replace("--", "/") for name in names if name.startswith("models--"))
-
-
 def missing_model_message(ref: str, what: str = "model") -> str | None:
     """One line for a REF (a MODEL or --draft-model, named WHAT) that names no model: it is not
     found, the cached model or folder it is closest to, and how to download it. None when REF
@@ -169,6 +187,8 @@ def missing_model_message(ref: str, what: str = "model") -> str | None:
         close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
         meant = f"; did you mean '{ref[: len(ref) - len(path.name)]}{close[0]}'?" if close else ""
         return f"{what} folder '{ref}' does not exist{meant}"
+    from ..hub import cached_repo_ids
+
     names = cached_repo_ids()
     close = difflib.get_close_matches(ref, names, n=1, cutoff=0.75)
     close = close or [n for n in names if n.lower() == ref.lower()]

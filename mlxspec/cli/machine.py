@@ -197,6 +197,7 @@ def profile(
             chosen, reasons = presets.choose(prof, caps)
             data["auto"] = {"model": caps.name, "model_bytes": caps.model_bytes,
                             "has_mtp_head": caps.has_mtp_head, "draft_model": caps.draft_name,
+                            "draft_kind": caps.draft_kind, "draft_found": caps.draft_found,
                             "draft_bytes": caps.draft_bytes, "preset": chosen.name,
                             "drafter": chosen.drafter, "max_depth": chosen.max_depth,
                             "gates": chosen.gates, "reasons": reasons}

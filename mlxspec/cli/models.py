@@ -118,6 +118,10 @@ MODEL is a repo id (org/name) or a short alias from mlxspec's catalog (see `mlxs
 and, unless --no-include-mtp, an MTP head sidecar. Files already cached are skipped, so running
 the command again after an interruption finishes the download. HF_HOME, HF_HUB_CACHE, HF_TOKEN,
 HF_ENDPOINT and HF_HUB_OFFLINE are honoured.
+
+A drafter-only checkpoint (a DFlash drafter such as z-lab/Qwen3-8B-DFlash-b16, a Gemma-4
+assistant: config and weights, no tokenizer) is pulled the same way; it drafts for its target
+(--draft-model, or found beside the target by --drafter auto).
 """)
 
 
@@ -174,6 +178,18 @@ def pull(
         pin = f"@{result.revision}" if result.revision != "main" else ""
         sys.stdout.write(f"{result.repo_id}{pin}: {what} ({result.path})\n")
         sys.stdout.flush()
+        _drafter_note(result.repo_id, result.config)
+
+
+def _drafter_note(repo_id: str, config: dict) -> None:
+    """How to use a drafter-only checkpoint just pulled (it is no model to run by itself)."""
+    from ..hub import drafter_kind
+    from ..presets import DRAFT_KINDS
+
+    kind = drafter_kind(config)
+    if kind is not None:
+        print_note(f"note: {repo_id} is a {DRAFT_KINDS[kind]}, not a model: run its target with --draft-model "
+                   f"{repo_id}, or let --drafter auto (or {kind}) find it beside the target")
 
 
 def _list_table(rows: list) -> None:
@@ -183,9 +199,12 @@ def _list_table(rows: list) -> None:
     for column, justify in (("MODEL", "left"), ("SIZE", "right"), ("ARCH", "left"), ("QUANT", "left"),
                             ("MTP", "left"), ("CONTEXT", "right")):
         table.add_column(column, justify=justify, no_wrap=column != "MODEL")
+    from ..presets import DRAFT_KINDS
+
     for row in rows:
         quant = row["quantization"]
-        table.add_row(row["repo_id"], row["size"], row["architecture"] or "?",
+        drafter = f" ({DRAFT_KINDS[row['drafter']]})" if row.get("drafter") else ""
+        table.add_row(row["repo_id"], row["size"], (row["architecture"] or "?") + drafter,
                       f"{quant['bits']}-bit/g{quant['group_size']}" if quant else "-",
                       "yes" if row["mtp"] else "-",
                       f"{row['context_length']:,}" if isinstance(row["context_length"], int) else "?")
@@ -252,7 +271,8 @@ def list_models(
     lmstudio: Annotated[bool, typer.Option(
         "--lmstudio", help="List the GGUF models in LM Studio's store (~/.lmstudio/models).")] = False,
 ) -> None:
-    """List the models in the Hugging Face cache: size, architecture, quantization, MTP head, context."""
+    """List the models in the Hugging Face cache: size, architecture (drafters marked: a DFlash
+    drafter, a Gemma-4 assistant), quantization, MTP head, context."""
     with user_errors():
         from .. import hub
 

@@ -11,6 +11,7 @@ import typer
 from ..config import user_config_path
 from ..errors import UsageError
 from ..options import (
+    DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
     DEFAULT_TEMPERATURE,
@@ -31,8 +32,10 @@ from .console import (
     complete_model,
     complete_reasoning,
     demo_notice,
+    drafters_help,
     help_text,
     load_with_spinner,
+    presets_help,
     print_note,
     print_stats,
     replaced_note,
@@ -182,7 +185,7 @@ def _unused_flags(given: dict, drafter: str, draft_model: Optional[str], depth: 
         print_note("note: --depth has no effect with drafter none (nothing is drafted)")
     if draft_model is not None and drafter in ("pld", "mtp", "none"):
         print_note(f"note: --draft-model has no effect with drafter {drafter}: it is not loaded "
-                   "(--drafter draft or auto uses it)")
+                   "(--drafter draft, assistant, dflash or auto uses it)")
         return None
     return draft_model
 
@@ -227,20 +230,20 @@ ModelOption = Annotated[Optional[str], typer.Option(
     help="MODEL as an option (as mlx-lm's --model): the one argument left is then PROMPT.")]
 DrafterOption = Annotated[Optional[str], typer.Option(
     autocompletion=complete_drafter,
-    help="How drafts are made: auto (a --draft-model if given, else the model's own MTP head "
-         "if it has one, else prompt lookup; or the drafter `mlxspec tune` rated fastest), pld "
-         "(prompt lookup), draft (a draft model, needs --draft-model), mtp (the model's native "
-         "multi-token-prediction head) or none (plain decoding). "
-         + _default("auto, or $MLXSPEC_DRAFTER / config"), show_default=False)]
+    help="How drafts are made: " + drafters_help() + " " + _default("auto, or $MLXSPEC_DRAFTER / config"),
+    show_default=False)]
 DraftModelOption = Annotated[Optional[str], typer.Option(
-    "--draft-model", metavar="PATH_OR_REPO", help="Small model sharing MODEL's tokenizer, used to draft tokens.")]
+    "--draft-model", metavar="PATH_OR_REPO",
+    help="What drafts tokens for MODEL: a small model sharing its tokenizer, a Gemma-4 assistant or a "
+         "DFlash drafter made for it (told apart by its config.json).")]
 DepthOption = Annotated[Optional[int], typer.Option(
     help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH}. "
-         + _default("adaptive, up to the depth `mlxspec tune` chose, else 8 for pld, 6 for draft, 4 for mtp"),
+         + _default("adaptive, up to the depth `mlxspec tune` chose, else "
+                    + ", ".join(f"{n} for {d}" for d, n in DEFAULT_MAX_DEPTH.items())),
     show_default=False)]
 PresetOption = Annotated[Optional[str], typer.Option(
-    help="Speculation preset: auto (chosen from the model and this machine; `mlxspec profile "
-         "MODEL` shows the choice), mtp, pld, draft, assistant or off. An explicit --drafter wins over "
+    help="Speculation preset: " + presets_help(auto="chosen from the model and this machine; `mlxspec "
+                                               "profile MODEL` shows the choice") + ". An explicit --drafter wins over "
          "the preset's drafter. " + _default("none, or $MLXSPEC_PRESET / config"), show_default=False)]
 TempOption = Annotated[Optional[float], typer.Option(
     *FLAGS["temperature"],

@@ -16,7 +16,6 @@ from ..options import (
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_PORT,
     DEFAULT_PROMPT_CACHE_SIZE,
-    DRAFTERS,
 )
 from .app import app
 from .console import (
@@ -25,9 +24,11 @@ from .console import (
     complete_model,
     complete_reasoning,
     demo_notice,
+    drafters_help,
     help_text,
     model_errors,
     no_color,
+    presets_help,
     print_error,
     print_note,
     quiet_libraries,
@@ -88,13 +89,14 @@ def serve(
         metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Model folder or cached repo id (default: the configured default, else the demo model).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
-        "--draft-model", metavar="M", show_default=False, help="Draft model with the same tokenizer.")] = None,
+        "--draft-model", metavar="M", show_default=False,
+        help="Draft model with the same tokenizer, Gemma-4 assistant or DFlash drafter made for MODEL.")] = None,
     drafter: Annotated[Optional[str], typer.Option(
         "--drafter", metavar="NAME", show_default=False, autocompletion=complete_drafter,
-        help=f"Default drafter: {', '.join(DRAFTERS)} (default: config, else auto).")] = None,
+        help="Default drafter: " + drafters_help() + " (default: config, else auto).")] = None,
     preset: Annotated[Optional[str], typer.Option(
         "--preset", metavar="P", show_default=False,
-        help="auto, mtp, pld, draft, assistant or off: as `run --preset` (an explicit --drafter wins).")] = None,
+        help=presets_help() + ": as `run --preset` (an explicit --drafter wins).")] = None,
     host: Annotated[Optional[str], typer.Option(
         "--host", show_default=False, help=f"Address to bind (default: config, else {DEFAULT_HOST}).")] = None,
     port: Annotated[Optional[int], typer.Option(

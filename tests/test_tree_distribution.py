@@ -1,0 +1,71 @@
+"""Temperature > 0 with draft trees in the loop: the committed tokens follow plain sampling's
+distribution, trees of depth 3 drafted and the first 3 committed tokens scored jointly.
+
+The same target, sampling, battery and N as tests/test_dflash_distribution.py, so the same
+power: >= 0.9 (0.99) against "the token at position 2 is off by 3 points of probability"
+(recomputed here). The DFlash drafter's trees at temperature > 0 are SAMPLED trees: each node's
+children drawn i.i.d. from its block position's q, checked by SpecInfer's multi-candidate rule.
+The planted bug is that rule without its residual (after a rejected draw, the next one is
+tested against p instead of norm(max(p - q, 0))): the test must reject it. Deterministic trees
+(sample-and-descend) and the planted rules against them are tested on fixed distributions in
+tests/test_tree.py, where many more draws are cheap.
+"""
+
+from collections import Counter
+
+import pytest
+
+from mlxspec.engine import tree as tree_mod
+from mlxspec.engine.speculate import SpeculativeDecoder
+from stats_helpers import chi_square_power, exact_joint, marginal, shift_at
+from test_dflash_distribution import (
+    ALPHA,
+    DEPTH,
+    LENGTH,
+    N_PLANTED,
+    PARAMS,
+    PROMPT,
+    N,
+    PositionalDFlash,
+    battery,
+    rejects,
+)
+
+BUDGET = 7  # nodes a tree: more than its depth, so siblings are drawn
+
+
+def sample_trees(target, drafter, n):
+    dec = SpeculativeDecoder(target, drafter=drafter, gates=False, depth=DEPTH, tree=BUDGET)
+    counts, trees = Counter(), 0
+    for i in range(n):
+        out, stats = [], None
+        for toks, stats in dec.generate(PROMPT, sampling=PARAMS, max_tokens=LENGTH + 1, seed=70_000 + i):
+            out.extend(toks)
+        counts[tuple(out[:LENGTH])] += 1
+        trees += stats.tree_steps
+    return counts, trees
+
+
+def test_the_tree_test_has_power(vocab8_dflash):
+    target, _ = vocab8_dflash
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    assert chi_square_power(marginal(probs, 2), marginal(shift_at(probs, 1), 2), N, ALPHA / 3) >= 0.9
+
+
+@pytest.mark.slow
+def test_sampled_trees_are_exact(vocab8_dflash):
+    target, model = vocab8_dflash
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    counts, trees = sample_trees(target, PositionalDFlash(model, target), N)
+    assert trees >= N  # every run verified at least one tree
+    pvalues = battery(counts, probs, N)
+    assert not rejects(pvalues), pvalues
+
+
+@pytest.mark.slow
+def test_the_rule_without_its_residual_is_caught(vocab8_dflash, monkeypatch):
+    target, model = vocab8_dflash
+    probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
+    monkeypatch.setattr(tree_mod, "_residual", lambda p, q: p)
+    counts, _ = sample_trees(target, PositionalDFlash(model, target), N_PLANTED)
+    assert rejects(battery(counts, probs, N_PLANTED))
