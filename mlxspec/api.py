@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
-from .engine.drafters.registry import resolve_drafter
+from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
@@ -28,6 +28,7 @@ from .options import (
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     DRAFTERS,
+    MAX_TREE,
     ConstraintSpec,
     check_choice,
     check_values,
@@ -58,6 +59,9 @@ class GenerationRequest:
     depth: int | None = None
     max_depth: int | None = None
     gates: bool = True
+    # draft trees: at most this many nodes a step, 0 none, None the cost model's choice,
+    # "default" the drafter's own default (DFlash: the cost model's choice; others: none)
+    tree: int | None | str = "default"
     # the prompt: a system prompt, text without the chat template (raw), the template's tools
     # (function schemas) and extra variables (e.g. enable_thinking)
     system: str | None = None
@@ -83,6 +87,8 @@ class GenerationRequest:
         check_values({"max_tokens": self.max_tokens})
         self.sampling.validate()
         check_values({"depth": self.depth, "logprobs": self.logprobs})
+        if self.tree not in (None, "default") and not (isinstance(self.tree, int) and 0 <= self.tree <= MAX_TREE):
+            raise UsageError(f"tree must be a node count from 0 to {MAX_TREE}, or auto (got {self.tree!r})")
         if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
             raise UsageError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
 
@@ -349,6 +355,7 @@ class SpecModel:
             )
         draft_model = self.draft.model if self.draft else None
         name = resolve_drafter(drafter, draft_model, head)
+        check_drafter(name, draft_model)
         max_depth = request.max_depth
         if request.depth is None and name != "none":
             name, max_depth = self._tuned(request, name, head)
@@ -363,6 +370,9 @@ class SpecModel:
             draft_cost = stored_draft_cost(self.target, name, self.draft)
             if draft_cost is None and name in ("draft", "mtp", "assistant", "dflash"):
                 draft_cost = self.draft_cost(name, request.on_status)
+        if cost is not None and cost.tree_factor is None and request.tree != 0 and (
+                name == "dflash" or request.tree not in (None, "default")):
+            self._measure_tree_factor(cost, request.on_status)
         return SpeculativeDecoder(
             self.target.model,
             draft_model=draft_model,
@@ -373,7 +383,20 @@ class SpecModel:
             gates=request.gates,
             cost=cost,
             draft_cost=draft_cost,
+            tree=request.tree,
         )
+
+    def _measure_tree_factor(self, cost, on_status) -> None:
+        """Time tree forwards against chain verifies once per model, kept in the stored record."""
+        from .engine.costs import measure_tree_factor
+        from .tuning.storage import save_tree_factor
+
+        if on_status:
+            on_status("timing draft-tree verifies (once per model)")
+        factor = measure_tree_factor(self.target.model, vocab=self.target.vocab_size)
+        if factor is not None:
+            cost.tree_factor = factor
+            save_tree_factor(self.target, factor)
 
     def _tuned(self, request: GenerationRequest, name: str, head) -> tuple[str, int | None]:
         """What `mlxspec tune` stored for this machine and model decides: ``auto``'s drafter
@@ -444,6 +467,8 @@ def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROM
     """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft;
     earlier prompts' caches are kept up to PROMPT_CACHE_BYTES (``SpecModel.prompt_cache``)."""
     target = load_model(model)
+    if target.tokenizer is None:  # a drafter-only checkpoint (DFlash, Gemma-4 assistant)
+        raise UsageError(f"{target.name} is a drafter, not a model: use it as draft_model for its target")
     draft = None
     if draft_model is not None:
         from .engine.drafters.draft_model import check_compatible

@@ -23,6 +23,7 @@ MIN_DEPTH, MAX_DEPTH = 1, 16
 # (dflash: one block forward drafts any depth up to its block size - 1; the gate picks)
 DEFAULT_MAX_DEPTH = {"pld": 8, "draft": 6, "mtp": 4, "assistant": 6, "dflash": 15}
 FALLBACK_MAX_DEPTH = 4  # a drafter not listed above
+MAX_TREE = 32  # nodes of the largest draft tree (--tree)
 
 # sampling defaults: greedy, no filter
 DEFAULT_TEMPERATURE = 0.0

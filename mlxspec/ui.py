@@ -61,6 +61,8 @@ def stats_line(stats: Stats) -> str:
     else:
         parts.append(f"{stats.drafter} depth {stats.depth}")
         parts.append(f"accepted {stats.accepted}/{stats.drafted} ({stats.acceptance:.0%})")
+        if stats.tree_steps:
+            parts.append(f"{stats.tree_steps} trees of {stats.tree_nodes / stats.tree_steps:.1f} nodes")
     return " · ".join(parts)
 
 

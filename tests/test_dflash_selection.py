@@ -192,3 +192,35 @@ def test_the_config_check_agrees_with_the_loader(pair):
         assert (hub.drafter_kind(config) == "dflash") == is_dflash_config(config), config
     assert hub.drafter_kind({"model_type": "gemma4_assistant"}) == "assistant" and hub.drafter_kind(None) is None
 
+
+
+def test_run_with_trees_is_plain_decoding_and_says_so(pair):
+    target, drafter = pair
+    common = [PROMPT, "--raw", "-n", "16", "--temp", "0", "--json", "--no-stats", "--draft-model", drafter]
+    plain = json.loads(invoke("run", target, *common, "--drafter", "none").stdout)
+    for tree in ("6", "auto", "0"):
+        result = invoke("run", target, *common, "--tree", tree, "--depth", "3")
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        assert out["tokens"] == plain["tokens"]
+        if tree == "6":
+            assert out["stats"]["tree_steps"] > 0 and out["stats"]["tree_nodes"] >= 6 * out["stats"]["tree_steps"] - 6
+        if tree == "0":
+            assert out["stats"]["tree_steps"] == 0
+    for bad in ("x", "33", "-1"):
+        line = one_line_error(invoke("run", target, "hi", "--tree", bad), 2)
+        assert "--tree must be auto or a node count from 0 to 32" in line
+
+
+def test_the_api_refuses_a_drafter_as_the_model_and_a_wrong_kind(pair, tiny_qwen3_draft):
+    import mlxspec
+    from mlxspec.errors import UsageError
+
+    target, drafter = pair
+    with pytest.raises(UsageError, match="is a drafter, not a model"):
+        mlxspec.load(str(drafter))
+    spec = mlxspec.load(str(target), draft_model=str(tiny_qwen3_draft))
+    with pytest.raises(UsageError, match="the draft model is a draft model: use --drafter draft"):
+        spec.generate("hi", drafter="dflash", max_tokens=4)
+    with pytest.raises(UsageError, match="tree must be"):
+        spec.generate("hi", tree=99, max_tokens=4)

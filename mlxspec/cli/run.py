@@ -20,6 +20,7 @@ from ..options import (
     DRAFTERS,
     FLAGS,
     MAX_DEPTH,
+    MAX_TREE,
     MIN_DEPTH,
     ConstraintSpec,
     check_choice,
@@ -241,6 +242,11 @@ DepthOption = Annotated[Optional[int], typer.Option(
          + _default("adaptive, up to the depth `mlxspec tune` chose, else "
                     + ", ".join(f"{n} for {d}" for d, n in DEFAULT_MAX_DEPTH.items())),
     show_default=False)]
+TreeOption = Annotated[Optional[str], typer.Option(
+    metavar="N|auto",
+    help=f"Draft trees: verify up to N candidate tokens a step in one forward (1 to {MAX_TREE} nodes), exact at "
+         "any temperature; auto lets the measured verify cost decide; 0 drafts chains only. "
+         + _default("auto for dflash, 0 for the other drafters"), show_default=False)]
 PresetOption = Annotated[Optional[str], typer.Option(
     help="Speculation preset: " + presets_help(auto="chosen from the model and this machine; `mlxspec "
                                                "profile MODEL` shows the choice") + ". An explicit --drafter wins over "
@@ -300,6 +306,7 @@ def run(
     drafter: DrafterOption = None,
     draft_model: DraftModelOption = None,
     depth: DepthOption = None,
+    tree: TreeOption = None,
     preset: PresetOption = None,
     temp: TempOption = None,
     top_p: TopPOption = None,
@@ -325,6 +332,7 @@ def run(
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                               max_tokens=max_tokens, preset=preset, reasoning=reasoning))
         _check_flags(given, draft_model, depth)
+        tree_nodes = parse_tree(tree)
         model, prompt = _model_option(model_option, model, prompt)
         model, prompt = _split_positionals(_aliased_model(model, yes), prompt)
         prompt, system = _argument_text(prompt, system)
@@ -345,13 +353,29 @@ def run(
 
         request = GenerationRequest(
             max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"], top_k=given["top_k"],
-            min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, system=system, raw=raw,
+            min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, tree=tree_nodes,
+            system=system, raw=raw,
             template_kwargs=template_kwargs(_reasoning(given["reasoning"], constraint, reasoning)),
             on_note=_once(print_note),
             # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
             reuse=chat, constraint=constraint, **preset_options)
         _answer(spec, prompt, request, chat=chat, json_out=json_out, hide_reasoning=hide_reasoning,
                 no_stats=no_stats)
+
+
+def parse_tree(text: Optional[str]):
+    """--tree's value as GenerationRequest.tree: "default" when not given, None for auto."""
+    if text is None:
+        return "default"
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_TREE:
+        raise UsageError(f"--tree must be auto or a node count from 0 to {MAX_TREE} (got {text!r})")
+    return n
 
 
 def _reasoning(mode: str, constraint: Optional[ConstraintSpec], flag: Optional[str]) -> str:

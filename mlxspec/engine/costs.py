@@ -85,3 +85,54 @@ def measure_verify_cost(
     times = {n: min(s) for n, s in samples.items()}
     base = times[1]
     return CostModel(curve={n: t / base for n, t in times.items()}, measured=True)
+
+
+TREE_WIDTHS = (8, 16, 32)  # draft nodes of the trees timed against chains of as many rows
+
+
+def binary_tree(n: int) -> list[int]:
+    """Parents (with the root's -1) of a balanced binary tree of n + 1 rows."""
+    return [-1] + [(i - 1) // 2 for i in range(1, n + 1)]
+
+
+def measure_tree_factor(model: nn.Module, widths=TREE_WIDTHS, context: int = 128, reps: int = 3,
+                        vocab: int = 256) -> float | None:
+    """A tree forward's cost over a chain verify of as many rows (median over WIDTHS of the
+    fastest reps, interleaved): 1 where the tree only changes the mask and positions, more on
+    a hybrid whose recurrence runs level by level. None where this model cannot verify trees."""
+    from .tree_forward import TreeUnsupported, keep_path, tree_forward
+
+    state = ModelState(model)
+    state.prefill([(7 * i) % vocab for i in range(context)])
+
+    def chain(n: int) -> float:
+        tokens = mx.array([(3 * i + n) % vocab for i in range(n + 1)], mx.uint32)
+        t0 = time.perf_counter()
+        mx.eval(state.forward(tokens))
+        seconds = time.perf_counter() - t0
+        state.rollback_to(state.length - n)
+        state.commit()
+        return seconds
+
+    def tree(n: int) -> float:
+        start = state.length
+        tokens = mx.array([(5 * i + n) % vocab for i in range(n + 1)], mx.uint32)
+        t0 = time.perf_counter()
+        mx.eval(tree_forward(state, tokens, binary_tree(n)))
+        seconds = time.perf_counter() - t0
+        keep_path(state, start, [0])
+        state.commit()
+        return seconds
+
+    try:
+        for n in widths:  # untimed: kernels are built per new shape
+            chain(n), tree(n)
+        best = {n: [float("inf"), float("inf")] for n in widths}
+        for _ in range(reps):
+            for n in widths:
+                best[n][0] = min(best[n][0], chain(n))
+                best[n][1] = min(best[n][1], tree(n))
+    except TreeUnsupported:
+        return None
+    ratios = sorted(t / c for c, t in best.values())
+    return ratios[len(ratios) // 2]

@@ -25,9 +25,10 @@ class CostModel:
     slope: float = 0.1  # extra cost per extra token where no measured curve exists
     curve: dict[int, float] = field(default_factory=dict)  # measured (engine/costs.py, tune)
     measured: bool = False
-    # a draft tree's forward over a chain verify of as many rows, on a hybrid target (its
-    # recurrence runs level by level); attention-only targets pay the chain's cost
-    tree_factor: float = 2.0
+    # a draft tree's forward over a chain verify of as many rows (costs.measure_tree_factor);
+    # None: not measured (tree_step.TreePolicy then assumes 1 for attention-only targets,
+    # HYBRID_TREE_FACTOR for hybrids)
+    tree_factor: float | None = None
 
     def verify(self, n: int) -> float:
         if n in self.curve:

@@ -160,8 +160,7 @@ class _Run:
                 self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
         self.trees = None
         if self.drafter is not None and dec.tree != 0:
-            factor = self.gate.cost.tree_factor if self.target.recurrent else 1.0
-            self.trees = TreePolicy(dec.tree, self.gate.cost, factor)
+            self.trees = TreePolicy.for_target(dec.tree, self.gate.cost, self.target.recurrent)
         # Pipelining: host drafters can guess the next verify before this one is read
         self.ahead = AheadGate() if self.drafter is not None and not self.drafter.uses_model else None
         self.guess: _Guess | None = None

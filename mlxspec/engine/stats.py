@@ -121,6 +121,8 @@ class Stats:
             "plain_steps": self.plain_steps,
             "queued_used": self.queued_used,
             "queued_dropped": self.queued_dropped,
+            "tree_steps": self.tree_steps,
+            "tree_nodes": self.tree_nodes,
             "mean_depth": round(self.mean_depth, 3),
             "depth_histogram": {str(k): v for k, v in sorted(self.depth_histogram.items())},
             "prompt_tps": round(self.prompt_tps, 2),

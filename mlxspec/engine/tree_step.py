@@ -21,14 +21,19 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..options import MAX_TREE
 from .gates import CostModel
 from .tree import DraftTree, walk
 from .tree_forward import TreeUnsupported, keep_path, tree_forward
 
-MAX_BUDGET = 32  # nodes of the largest tree (a verify of 33 rows)
+MAX_BUDGET = MAX_TREE  # nodes of the largest tree (a verify of 33 rows)
 BUDGET_COST = 1.3  # a tree may cost this much more than the chain it stands for
 PROBE_EVERY = 32  # chain steps between trees tried again once they stopped paying
 DECAY = 0.9
+# a hybrid's tree forward over a chain verify of as many rows where none was measured: its
+# recurrence runs once per tree level, and keep_path re-runs the kept path (a guess that keeps
+# trees off hybrids until measured; `mlxspec tune` and the first dflash run measure it)
+HYBRID_TREE_FACTOR = 2.0
 
 
 @dataclass
@@ -53,6 +58,12 @@ class TreePolicy:
         self.tree_tokens: float | None = None  # decayed mean tokens per tree step
         self.off_for = 0  # chain steps left before a tree is tried again
         self.unsupported: str | None = None  # why this target cannot verify trees
+
+    @classmethod
+    def for_target(cls, budget: int | None, cost: CostModel, recurrent: bool) -> "TreePolicy":
+        """The policy with COST's measured tree factor, else the default for the target's kind."""
+        factor = cost.tree_factor if cost.tree_factor is not None else (HYBRID_TREE_FACTOR if recurrent else 1.0)
+        return cls(budget, cost, factor)
 
     def budget(self, k: int, chain_tokens: float, draft_cost: float = 0.0) -> int:
         """Nodes for the next step at depth K (0: a chain), given the tokens a chain of depth k

@@ -114,6 +114,19 @@ def save_draft_cost(loaded, drafter: str, cost: float, draft=None) -> Path | Non
         return None
 
 
+def save_tree_factor(loaded, factor: float) -> Path | None:
+    """Add the tree-forward cost factor a run measured (engine.costs.measure_tree_factor) to
+    this machine and model's record; None when there is no record or it cannot be written."""
+    data = load_result(loaded)
+    if data is None:
+        return None
+    data["tree_factor"] = round(factor, 4)
+    try:
+        return save_result(loaded, data)
+    except OSError:
+        return None
+
+
 def load_result(loaded) -> dict | None:
     """The stored tune result for this machine and model, or None (also for an unreadable one)."""
     try:
@@ -137,7 +150,9 @@ def stored_cost(loaded) -> CostModel | None:
         return None
     if not curve or 1 not in curve or any(c <= 0 for c in curve.values()):
         return None
-    return CostModel(curve=curve, measured=True)
+    factor = (data or {}).get("tree_factor")
+    factor = float(factor) if isinstance(factor, (int, float)) and factor > 0 else None
+    return CostModel(curve=curve, measured=True, tree_factor=factor)
 
 
 def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:

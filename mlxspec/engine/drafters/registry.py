@@ -30,6 +30,20 @@ def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead 
     return name
 
 
+def check_drafter(name: str, draft_model: nn.Module | None) -> None:
+    """UsageError when the drafter NAME (resolved) cannot run with DRAFT_MODEL's kind: before
+    anything is timed or loaded for it."""
+    kinds = {"draft": "a draft model", "assistant": "a Gemma-4 assistant", "dflash": "a DFlash drafter"}
+    if name not in kinds:
+        return
+    kind = ("assistant" if isinstance(draft_model, Gemma4Assistant) else
+            "dflash" if isinstance(draft_model, DFlashDraftModel) else "draft" if draft_model is not None else None)
+    if kind is None:
+        raise UsageError(f"--drafter {name} needs --draft-model pointing at {kinds[name]}")
+    if kind != name:
+        raise UsageError(f"the draft model is {kinds[kind]}: use --drafter {kind} (or auto), not {name}")
+
+
 def make_drafter(
     name: str, target: nn.Module, draft_model: nn.Module | None, mtp_head: MTPHead | None = None,
     cost_per_token: float | None = None,
