@@ -20,7 +20,8 @@ def test_check_values_names_the_first_bad_value_as_the_caller_calls_it():
 
 def test_check_choice():
     options.check_choice("drafter", "pld", options.DRAFTERS)
-    with pytest.raises(UsageError, match="^unknown drafter 'x'; choose one of auto, pld, draft, mtp, assistant, dflash, none$"):
+    expected = "^unknown drafter 'x'; choose one of auto, pld, draft, mtp, assistant, dflash, none$"
+    with pytest.raises(UsageError, match=expected):
         options.check_choice("drafter", "x", options.DRAFTERS)
 
 
