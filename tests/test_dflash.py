@@ -263,3 +263,13 @@ def test_a_bounded_context_stays_exact_and_bounded(pairs):
     assert out == ref and stats.accepted > 0
     assert steered.dropped > 0 and steered.cache[0].offset <= 4 + 16 + 16 // 4
     assert steered.position == len(prompt) + N_TOKENS - 1 - (N_TOKENS - len(out)) or steered.position > len(prompt)
+
+
+def test_depth_never_exceeds_the_block(pairs):
+    target, draft, _ = pairs["qwen3"]  # block 8
+    dec = SpeculativeDecoder(target.model, draft_model=draft.model, drafter="dflash")
+    assert dec.max_depth == 7
+    dec = SpeculativeDecoder(target.model, draft_model=draft.model, drafter="dflash", depth=12, gates=False)
+    assert dec.depth == 7
+    out, stats = _speculate(target.model, draft.model, target.tokenizer.encode(PROMPT_TEXT), n=20, depth=12)
+    assert max(stats.depth_histogram) <= 7

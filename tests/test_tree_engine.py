@@ -118,6 +118,7 @@ def test_a_target_that_cannot_verify_trees_falls_back_to_chains(tiny_swa, tmp_pa
     ref = greedy(loaded.model, prompt)
     out, stats = run(loaded.model, prompt, drafter=PromptLookupDrafter(max_ngram=2, min_ngram=1), depth=3, tree=8)
     assert out == ref and stats.tree_steps == 0 and stats.verify_steps > 0
+    assert stats.tree_note.startswith("this target cannot verify trees")
 
 
 def test_the_chain_inside_a_tree():
@@ -133,9 +134,10 @@ def test_the_policy_picks_chains_where_trees_do_not_pay():
     assert TreePolicy(None, flat).budget(4, 3.0) == 32  # wide verifies cost nearly nothing
     assert TreePolicy(None, steep).budget(4, 3.0) == 5  # every row costs a forward: one extra node
     hybrid = TreePolicy(None, flat, tree_factor=2.0)  # a hybrid whose tree forward costs 2x
-    assert hybrid.budget(4, 3.0) == 0
+    assert hybrid.budget(4, 3.0) == 0 and "would cost 2.0" in hybrid.why_chain
     policy = TreePolicy(None, flat)
     for _ in range(10):
         policy.observe(TreeOutcome([1], 0, 4, 0))  # trees that keep 1 token a step
     assert policy.budget(4, 3.0) == 0 and policy.off_for > 0  # the chain keeps 3: chains
+    assert policy.why_chain.startswith("trees of 32 nodes kept 1.00 tokens a step")
     assert TreePolicy(0, flat).budget(4, 3.0) == 0 and TreePolicy(6, steep).budget(4, 3.0) == 6

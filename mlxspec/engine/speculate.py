@@ -73,6 +73,10 @@ class SpeculativeDecoder:
         self.depth = depth
         default_max = DEFAULT_MAX_DEPTH.get(getattr(self.drafter, "name", ""), FALLBACK_MAX_DEPTH)
         self.max_depth = max_depth or depth or default_max
+        cap = getattr(self.drafter, "depth_cap", None)  # a block drafter drafts its block at most
+        if cap:
+            self.max_depth = min(self.max_depth, cap)
+            self.depth = min(depth, cap) if depth else depth
         self.gates = gates
         self.cost = cost
         if tree == "default":
@@ -354,6 +358,7 @@ class _Run:
             return None
         d = self.drafter
         budget = self.trees.budget(k, self.gate.model.expected_tokens(k), d.cost_per_step + k * d.cost_per_token)
+        self.stats.tree_note = self.trees.unsupported or self.trees.why_chain
         tree = d.propose_tree(self.tokens, k, budget, self.sampling) if budget > k else None
         if tree is None or not len(tree):
             return None
@@ -361,7 +366,7 @@ class _Run:
         try:
             out = tree_step(self, tree)
         except TreeUnsupported as err:  # raised before any cache changed: chains from now on
-            self.trees.unsupported = str(err)
+            self.trees.unsupported = self.stats.tree_note = f"this target cannot verify trees: {err}"
             d.rollback(len(self.tokens) - 1)
             return None
         self.trees.observe(out)

@@ -36,6 +36,7 @@ class Stats:
     queued_dropped: int = 0
     tree_steps: int = 0  # verifies of a draft tree (counted in verify_steps too)
     tree_nodes: int = 0  # draft nodes those trees held
+    tree_note: str | None = None  # why chains were verified where trees could have been
     # per draft position i: how often a draft reached position i and how often it was accepted
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -123,6 +124,7 @@ class Stats:
             "queued_dropped": self.queued_dropped,
             "tree_steps": self.tree_steps,
             "tree_nodes": self.tree_nodes,
+            "tree_note": self.tree_note,
             "mean_depth": round(self.mean_depth, 3),
             "depth_histogram": {str(k): v for k, v in sorted(self.depth_histogram.items())},
             "prompt_tps": round(self.prompt_tps, 2),

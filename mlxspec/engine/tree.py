@@ -120,8 +120,9 @@ def tree_mask(parents_with_root) -> mx.array:
 
 # -- building trees ------------------------------------------------------------------------
 
-def _top_candidates(logprobs: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's k most likely tokens and their log-probabilities, best first (host arrays)."""
+def _top_candidates(logprobs: mx.array, k: int, chain: list[int] | None = None):
+    """Each row's k most likely tokens and their log-probabilities, best first, and, given a
+    chain, the log-probability of chain[d] in row d: host arrays, read back at once."""
     lp = logprobs.astype(mx.float32)
     k = min(k, lp.shape[-1])
     if k < lp.shape[-1]:
@@ -132,8 +133,13 @@ def _top_candidates(logprobs: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]
     order = mx.argsort(-vals, axis=-1)
     idx = mx.take_along_axis(idx, order, axis=-1)
     vals = mx.take_along_axis(vals, order, axis=-1)
-    mx.eval(idx, vals)
-    return np.array(idx, dtype=np.int64), np.array(vals, dtype=np.float64)
+    if chain is None:
+        mx.eval(idx, vals)
+        return np.array(idx, dtype=np.int64), np.array(vals, dtype=np.float64)
+    on_chain = mx.take_along_axis(lp, mx.array(chain)[:, None], axis=-1)[:, 0]
+    mx.eval(idx, vals, on_chain)
+    return (np.array(idx, dtype=np.int64), np.array(vals, dtype=np.float64),
+            np.array(on_chain, dtype=np.float64))
 
 
 def _best_first(tok: np.ndarray, val: np.ndarray, budget: int) -> DraftTree:
@@ -170,18 +176,37 @@ def draws_per_node(depth: int, max_children: int) -> int:
     return max(1, max_children >> depth)
 
 
+def _below(total: mx.array) -> mx.array:
+    """The largest float32 below ``total`` (> 0) or nearly: u * total, u < 1, can round up to
+    total, and a draw must land strictly inside the mass."""
+    return total * (1.0 - 2.0**-23)
+
+
+def _draw_rows(probs: mx.array, count: int, key) -> mx.array:
+    """(D, count) i.i.d. draws from each row of ``probs`` (D, V) by inverse CDF in two stages,
+    a block of about sqrt(V) tokens and then a token in it, so that nothing of count * V
+    elements is made; zero-probability tokens are never drawn."""
+    rows, vocab = probs.shape
+    width = max(1, int(np.ceil(np.sqrt(vocab))))
+    n_blocks = -(-vocab // width)
+    blocks = mx.pad(probs, [(0, 0), (0, n_blocks * width - vocab)]).reshape(rows, n_blocks, width)
+    u = mx.random.uniform(shape=(2, rows, count), key=key)
+    cdf = mx.cumsum(blocks.sum(axis=-1), axis=-1)  # (D, blocks)
+    target = mx.minimum(u[0] * cdf[:, -1:], _below(cdf[:, -1:]))
+    block = (cdf[:, None, :] <= target[..., None]).sum(axis=-1)  # (D, count)
+    inside = mx.cumsum(mx.take_along_axis(blocks, block[..., None], axis=1), axis=-1)
+    target = mx.minimum(u[1][..., None] * inside[..., -1:], _below(inside[..., -1:]))
+    offset = (inside <= target).sum(axis=-1)  # (D, count, width) -> (D, count)
+    return block * width + offset
+
+
 def _sampled_pool(logprobs: mx.array, per_depth: int, key) -> tuple[np.ndarray, np.ndarray]:
-    """(D, per_depth) i.i.d. draws from each row (inverse CDF of uniforms from mx.random, in
-    float64 on the host) and the rows' log-probabilities on the host."""
-    probs = mx.exp(logprobs.astype(mx.float32))
-    u = mx.random.uniform(shape=(logprobs.shape[0], per_depth), key=key)
-    mx.eval(probs, u)
-    probs = np.array(probs, dtype=np.float64)
-    cdf = np.cumsum(probs, axis=-1)
-    u = np.array(u, dtype=np.float64) * cdf[:, -1:]
-    pool = np.stack([np.searchsorted(c, row, side="right") for c, row in zip(cdf, u)])
-    with np.errstate(divide="ignore"):
-        return np.minimum(pool, probs.shape[-1] - 1), np.log(probs)
+    """(D, per_depth) i.i.d. draws from each row and their log-probabilities (host arrays)."""
+    lp = logprobs.astype(mx.float32)
+    pool = _draw_rows(mx.exp(lp), per_depth, key)
+    pool_lp = mx.take_along_axis(lp, pool, axis=-1)
+    mx.eval(pool, pool_lp)
+    return np.array(pool, dtype=np.int64), np.array(pool_lp, dtype=np.float64)
 
 
 def _sampled_tree(logprobs: mx.array, budget: int, max_children: int, key) -> DraftTree:
@@ -189,7 +214,7 @@ def _sampled_tree(logprobs: mx.array, budget: int, max_children: int, key) -> Dr
     ``min(draws_per_node(d), budget left)`` children i.i.d. from row d (the count is fixed
     before the draws, as the exact walk needs). Nodes at depth D are leaves."""
     depth = logprobs.shape[0]
-    pool, lq = _sampled_pool(logprobs, max(budget, 1) * max_children, key)
+    pool, pool_lp = _sampled_pool(logprobs, max(budget, 1) * max_children, key)
     used = [0] * depth
     tokens, parents, draws = [], [], {}
     heap = [(-0.0, 0, 0)]  # (-score, node, depth)
@@ -198,13 +223,13 @@ def _sampled_tree(logprobs: mx.array, budget: int, max_children: int, key) -> Dr
         if d >= depth:
             continue
         m = min(draws_per_node(d, max_children), budget - len(tokens))
-        xs = [int(x) for x in pool[d, used[d]:used[d] + m]]
+        at = slice(used[d], used[d] + m)
         used[d] += m
-        draws[node] = xs
-        for x in dict.fromkeys(xs):
+        draws[node] = [int(x) for x in pool[d, at]]
+        for x, x_lp in dict(zip(draws[node], pool_lp[d, at])).items():
             tokens.append(x)
             parents.append(node)
-            heapq.heappush(heap, (neg - lq[d, x], len(tokens), d + 1))
+            heapq.heappush(heap, (neg - x_lp, len(tokens), d + 1))
     rows = np.minimum(DraftTree(tokens, parents).depths(), depth - 1)
     child_q = mx.take(logprobs, mx.array(rows), axis=0)
     return DraftTree(tokens, parents, sampled=True, draws=draws, child_q=child_q)
@@ -251,10 +276,8 @@ def tree_from_chain_topk(
     n = min(len(chain), max(budget, 0))
     if n == 0:
         return DraftTree([], [])
-    rows = logprobs[:n]
-    chain_lp = mx.take_along_axis(rows, mx.array(chain[:n])[:, None], axis=-1)[:, 0]
-    tok, val = _top_candidates(rows, max_children)
-    prefix = np.concatenate([[0.0], np.cumsum(np.array(chain_lp.astype(mx.float32), np.float64))])
+    tok, val, chain_lp = _top_candidates(logprobs[:n], max_children, chain[:n])
+    prefix = np.concatenate([[0.0], np.cumsum(chain_lp)])
     found = []
     for d in range(n):
         row = [(t, v) for t, v in zip(tok[d], val[d]) if t != chain[d] and np.isfinite(v)]

@@ -58,6 +58,7 @@ class TreePolicy:
         self.tree_tokens: float | None = None  # decayed mean tokens per tree step
         self.off_for = 0  # chain steps left before a tree is tried again
         self.unsupported: str | None = None  # why this target cannot verify trees
+        self.why_chain: str | None = None  # why the last auto choice was a chain (stats)
 
     @classmethod
     def for_target(cls, budget: int | None, cost: CostModel, recurrent: bool) -> "TreePolicy":
@@ -76,15 +77,21 @@ class TreePolicy:
         n = max((n for n in range(k + 1, MAX_BUDGET + 1)
                  if self.factor * self.cost.verify(n + 1) + draft_cost <= BUDGET_COST * chain_cost), default=0)
         if n == 0:
+            ratio = (self.factor * self.cost.verify(k + 2) + draft_cost) / chain_cost
+            self.why_chain = (f"a tree of {k + 1} nodes would cost {ratio:.2f}x the depth-{k} chain's verify "
+                              f"(tree forward {self.factor:.2f}x a chain of as many rows)")
             return 0
         if self.off_for > 0:
             self.off_for -= 1
             return 0
         if self.tree_tokens is not None:
-            tree_rate = self.tree_tokens / (self.factor * self.cost.verify(n + 1) + draft_cost)
-            if tree_rate < chain_tokens / chain_cost:
+            tree_cost = self.factor * self.cost.verify(n + 1) + draft_cost
+            if self.tree_tokens / tree_cost < chain_tokens / chain_cost:
+                self.why_chain = (f"trees of {n} nodes kept {self.tree_tokens:.2f} tokens a step for {tree_cost:.2f} "
+                                  f"units, the chain {chain_tokens:.2f} for {chain_cost:.2f}")
                 self.off_for = PROBE_EVERY
                 return 0
+        self.why_chain = None
         return n
 
     def observe(self, outcome: TreeOutcome) -> None:

@@ -41,6 +41,8 @@ class Drafter(ABC):
     # Whether it drafts from the target's hidden states (MTP heads): then the engine passes
     # them, one row per committed position, in order.
     needs_hidden: bool = False
+    # The deepest draft it can make (a block drafter's block less its first token); None: any.
+    depth_cap: int | None = None
     # Whether draft trees are tried unless asked otherwise (the cost model still decides).
     trees_by_default: bool = False
     # Target layers whose outputs make those rows (DFlash); None: the final-norm hidden state.

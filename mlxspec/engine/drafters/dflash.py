@@ -45,6 +45,7 @@ class DFlashDrafter(Drafter):
         self.embed, self.head = trunk.embed, trunk.head
         self.capture_layers = tuple(model.args.target_layer_ids)
         self.block = model.block_size
+        self.depth_cap = self.block - 1
         self.mask_id = model.args.mask_token_id
         self.sink, self.window = sink, window
         if cost_per_step is not None:
