@@ -140,7 +140,8 @@ class SpeculationGate:
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
-        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, self.drafter.cost_per_step)
+        step = getattr(self.drafter, "cost_per_step", 0.0)  # drafters outside the Drafter class have none
+        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, step)
 
     def best_depth(self) -> tuple[int, float]:
         # Asked once per token while decoding plainly: recomputed only after new observations.

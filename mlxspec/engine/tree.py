@@ -20,7 +20,8 @@ At temperature 0 both walk the target's argmax (plain greedy decoding).
 
 The walk decides every node of the tree at once on device (at most a few draws per node, so
 a handful of array ops) and reads two (N + 1,) arrays back once; the path is then followed on
-the host.
+the host. Building reads back once too: each row's top-k, or a pool of draws per depth
+(sampled trees, drawn on device by a two-stage inverse CDF), never a whole (D, V) array.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def tree_from_chain_topk(
         row = [(t, v) for t, v in zip(tok[d], val[d]) if t != chain[d] and np.isfinite(v)]
         found += [(-(prefix[d] + v), d, r, int(t)) for r, (t, v) in enumerate(row[:max_children - 1])]
     found.sort()
-    tokens, parents = list(chain[:n]), list(range(n))
+    tokens, parents = [int(t) for t in chain[:n]], list(range(n))
     for _, d, _, t in found[:budget - n]:
         tokens.append(t)
         parents.append(d)
@@ -341,43 +342,54 @@ def _residual_rows(p: mx.array, q: mx.array) -> mx.array:
 _residual = mx.compile(_residual_rows, shapeless=True)
 
 
-def _draw_table(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-    """(N + 1, M) draws per node, padded, and which entries are real (M >= 1)."""
-    draws = tree.draws or {}
-    width = max([len(v) for v in draws.values()] + [1])
-    table = np.zeros((len(tree) + 1, width), np.int32)
-    real = np.zeros((len(tree) + 1, width), bool)
-    for node, xs in draws.items():
-        table[node, :len(xs)] = xs
-        real[node, :len(xs)] = True
+def _draw_table(tree: DraftTree, nodes: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(len(nodes), M) the nodes' draws, padded, and which entries are real."""
+    width = max(len(tree.draws[node]) for node in nodes)
+    table = np.zeros((len(nodes), width), np.int32)
+    real = np.zeros((len(nodes), width), bool)
+    for row, node in enumerate(nodes):
+        xs = tree.draws[node]
+        table[row, :len(xs)] = xs
+        real[row, :len(xs)] = True
     return table, real
 
 
 def _multi_candidate(tree: DraftTree, target_logprobs: mx.array, key) -> tuple[list[int], list[int]]:
-    """SpecInfer's rule at every node at once: (index of the accepted draw, or M where none
-    is, per node; the token drawn from the p left after all its draws are rejected, per node).
+    """SpecInfer's rule at every node at once. Per node: the index of its accepted draw (its
+    number of draws or more where none is, a leaf included), and the token drawn from the p
+    left after all its draws are rejected (p itself at a leaf).
 
-    The p after j rejects is the j-th residual of p against q whichever tokens were drawn,
-    so the residuals are computed first and each draw is tried against its own."""
-    table, real = _draw_table(tree)
-    n, width = table.shape
+    The p after j rejects is the j-th residual of p against q whichever tokens were drawn
+    (a draw of a token already rejected is rejected for sure and still moves p), so the
+    residuals are computed first, for the expanded nodes only, and each draw is tried
+    against its own."""
+    n = len(tree) + 1
+    expanded = [node for node, xs in (tree.draws or {}).items() if xs]
     k_u, k_x = mx.random.split(key) if key is not None else (None, None)
-    p = mx.exp(target_logprobs.astype(mx.float32))
-    q = mx.exp(tree.child_q.astype(mx.float32))
+    lp = target_logprobs.astype(mx.float32)
+    if not expanded:
+        return [0] * n, np.array(mx.random.categorical(lp, key=k_x)).tolist()
+    table, real = _draw_table(tree, expanded)
+    width = table.shape[1]
+    rows = mx.array(expanded)
+    p, q = mx.exp(lp[rows]), mx.exp(tree.child_q[rows].astype(mx.float32))
     chain = [p]
     for _ in range(width):
         chain.append(_residual(chain[-1], q))
-    ps = mx.stack(chain)  # (M + 1, N + 1, V): p after 0..M rejects
+    ps = mx.stack(chain)  # (M + 1, E, V): p after 0..M rejects
     x = mx.array(table)
-    px = mx.take_along_axis(ps[:-1], x.T[:, :, None], axis=-1)[..., 0].T  # (N + 1, M)
+    px = mx.take_along_axis(ps[:-1], x.T[:, :, None], axis=-1)[..., 0].T  # (E, M)
     qx = mx.take_along_axis(q, x, axis=-1)
     u = mx.random.uniform(shape=table.shape, key=k_u)
     ok = (u * qx < px) & mx.array(real)  # u < p / q (q > 0 for a drawn token)
     accepted = mx.where(ok.any(axis=1), mx.argmax(ok.astype(mx.int32), axis=1), width)
-    last = ps[mx.array(real.sum(axis=1)), mx.arange(n)]
-    final = mx.random.categorical(mx.log(last), key=k_x)
+    last = ps[mx.array(real.sum(axis=1)), mx.arange(len(expanded))]
+    final = mx.random.categorical(mx.concatenate([lp, mx.log(last)]), key=k_x)
     mx.eval(accepted, final)
-    return np.array(accepted).tolist(), np.array(final).tolist()
+    chosen, final = [width] * n, np.array(final).tolist()
+    for row, (node, j) in enumerate(zip(expanded, np.array(accepted).tolist())):
+        chosen[node], final[node] = j, final[n + row]
+    return chosen, final[:n]
 
 
 def _follow_draws(tree: DraftTree, accepted: list[int], final: list[int]) -> tuple[list[int], int]:
