@@ -273,3 +273,15 @@ def test_depth_never_exceeds_the_block(pairs):
     assert dec.depth == 7
     out, stats = _speculate(target.model, draft.model, target.tokenizer.encode(PROMPT_TEXT), n=20, depth=12)
     assert max(stats.depth_histogram) <= 7
+
+
+def test_a_drafter_that_never_pays_is_switched_off(pairs):
+    target, draft, _ = pairs["qwen3"]  # the random drafter: its drafts are rejected
+    prompt = target.tokenizer.encode(PROMPT_TEXT)
+    dec = SpeculativeDecoder(target.model, draft_model=draft.model, drafter="dflash")
+    out, stats = [], None
+    for toks, stats in dec.generate(prompt, max_tokens=60):
+        out.extend(toks)
+    assert out == _greedy(target.model, prompt, 60)
+    assert stats.gate_events and not stats.gate_events[0].enabled  # switched off
+    assert stats.plain_steps > 40 and stats.verify_steps < 15  # probes only, backing off

@@ -204,3 +204,14 @@ def test_assistant_distribution_is_exact(tmp_path_factory):
     assert drafted == n  # one draft per run (max_tokens 2)
     assert 0 < accepted < drafted  # some drafts kept, some rejected: both paths sampled
     assert chi_square_p(counts, probs, n) > 1e-3
+
+
+def test_trees_asked_of_a_gemma_target_fall_back_to_exact_chains(gemma4):
+    """Gemma's attention is outside the tree forward's list: the assistant's tree request
+    verifies chains, says why, and writes what plain decoding writes."""
+    plain, _ = _tokens(SpeculativeDecoder(gemma4["target"], drafter="none"), PROMPT, 30)
+    dec = SpeculativeDecoder(gemma4["target"], drafter="assistant", draft_model=gemma4["dense"], depth=3,
+                             gates=False, tree=8)
+    out, stats = _tokens(dec, PROMPT, 30)
+    assert out == plain and stats.tree_steps == 0 and stats.accepted > 0
+    assert stats.tree_note.startswith("this target cannot verify trees")
