@@ -102,6 +102,16 @@ class Drafter(ABC):
         return tree_from_chain_topk(draft.rows, chain, budget)
 
 
+def joined_rows(parts: list[mx.array]) -> mx.array | None:
+    """The target rows a drafter was handed and has not used yet, as one array (PARTS is left
+    holding just that array); None when there are none."""
+    if not parts:
+        return None
+    if len(parts) > 1:
+        parts[:] = [mx.concatenate(parts)]
+    return parts[0]
+
+
 def sample_chain(logits: mx.array, k: int, sampling: SamplingParams, step) -> Draft:
     """Draw k tokens one after another: each is fed back through ``step(i, token)``, which
     returns the logits for draft position i. Keeps q (the processed rows) at temperature > 0."""

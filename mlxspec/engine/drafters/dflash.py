@@ -26,7 +26,7 @@ from ...models.trunk import split_trunk
 from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from ..tree import tree_from_marginals
-from .base import Draft, Drafter
+from .base import Draft, Drafter, joined_rows
 
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 4096
@@ -104,11 +104,7 @@ class DFlashDrafter(Drafter):
         return snap, self.position, rows
 
     def _pending(self) -> mx.array | None:
-        if not self._rows:
-            return None
-        if len(self._rows) > 1:
-            self._rows = [mx.concatenate(self._rows)]
-        return self._rows[0]
+        return joined_rows(self._rows)
 
     def _commit(self) -> None:
         """Turn the pending features into context keys/values, then bound the context."""

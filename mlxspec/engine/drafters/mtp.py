@@ -12,7 +12,7 @@ import mlx.core as mx
 from ...models.mtp.head import MTPHead
 from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, sample_chain
+from .base import Draft, Drafter, joined_rows, sample_chain
 
 ONE_PIECE = 16  # the widest verify: 16 drafts at most
 
@@ -87,11 +87,7 @@ class MTPDrafter(Drafter):
         self._rows.append(rows)
 
     def _pending(self) -> mx.array | None:
-        if not self._rows:
-            return None
-        if len(self._rows) > 1:
-            self._rows = [mx.concatenate(self._rows)]
-        return self._rows[0]
+        return joined_rows(self._rows)
 
     def _commit(self, tokens: list[int], upto: int, chunk: int | None = None) -> mx.array | None:
         """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last one.
