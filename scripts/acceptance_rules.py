@@ -34,6 +34,10 @@ from mlxspec.engine.sampling import SamplingParams  # noqa: E402
 from mlxspec.models.loader import load_model  # noqa: E402
 
 
+def probabilities(logprobs: mx.array) -> np.ndarray:
+    return np.exp(np.array(logprobs.astype(mx.float32), np.float64))
+
+
 def rule_rates(target, drafter_model, ids: list[int], temps: list[float], anchors: int, seed: int = 0) -> dict:
     """Mean keep-probabilities per block position and rule, at each temperature."""
     drafter = DFlashDrafter(drafter_model, target)
@@ -51,8 +55,8 @@ def rule_rates(target, drafter_model, ids: list[int], temps: list[float], anchor
         for a in points:  # tokens[:a+1] committed: the block starts at token a
             drafter.start(ids[: a + 1])
             drafter.add_hidden(feats[:a])
-            q = np.exp(np.array(sampling.logprobs(drafter.block_logits(ids[: a + 1], k)).astype(mx.float32), np.float64))
-            p = np.exp(np.array(sampling.logprobs(logits_all[a : a + k]).astype(mx.float32), np.float64))  # after a..a+k-1
+            q = probabilities(sampling.logprobs(drafter.block_logits(ids[: a + 1], k)))
+            p = probabilities(sampling.logprobs(logits_all[a : a + k]))  # the target after tokens a..a+k-1
             sums[0] += np.minimum(p, q).sum(-1)
             sums[1] += (p * q).sum(-1)
             sums[2] += p[np.arange(k), q.argmax(-1)]
