@@ -133,3 +133,20 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
             out, stats = _run(model, prompt, 32, draft_model=drafter.model, drafter="dflash", depth=depth, tree=tree)
             assert out == expected, (workload, depth, tree)
             assert stats.drafted > 0 and stats.drafter == "dflash"
+
+
+def test_bench_runs_the_dflash_engine_and_skips_the_draft_model_ones():
+    from mlxspec.api import load
+    from mlxspec.bench.prompts import Bench, Options
+
+    spec = load(str(TARGET), draft_model=str(DRAFTER))
+    spec.astype("float32")
+    bench = Bench(spec, [], ["mlx-lm", "mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant", "mlxspec-dflash"],
+                  Options())
+    assert bench.engines == ["mlx-lm", "mlxspec-dflash"]
+    assert "DFlash drafter, not a model of its own" in bench.skipped["mlxspec-draft"]
+    assert bench.skipped["mlxspec-assistant"] == "the --draft-model is not a Gemma-4 assistant"
+    tokens = spec.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):", raw=True)
+    gen = bench.generate("mlxspec-dflash", tokens, 16, 0.0)
+    assert gen.tokens == bench.generate("mlxspec-none", tokens, 16, 0.0).tokens
+    assert gen.drafter == "dflash" and gen.drafted > 0

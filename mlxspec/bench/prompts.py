@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import MlxspecError, UsageError
 
 ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-draft",
-           "mlxspec-mtp", "mlxspec-assistant", "mlxspec-auto")
+           "mlxspec-mtp", "mlxspec-assistant", "mlxspec-dflash", "mlxspec-auto")
 BASELINE = "mlx-lm"
 # what each engine does, for --help and the JSON
 ENGINE_HELP = {
@@ -34,6 +34,7 @@ ENGINE_HELP = {
     "mlxspec-draft": "mlxspec, the --draft-model",
     "mlxspec-mtp": "mlxspec, the model's native MTP head",
     "mlxspec-assistant": "mlxspec, a Gemma-4 assistant given as --draft-model",
+    "mlxspec-dflash": "mlxspec, a DFlash block drafter given as --draft-model (draft trees where they pay)",
     "mlxspec-auto": "mlxspec, drafter auto",
 }
 WORKLOAD_ORDER = ("echo", "completion", "novel", "toolcall")
@@ -197,15 +198,17 @@ class Bench:
     def unavailable(self, engine: str) -> str | None:
         """Why ``engine`` cannot run with this model (None: it can)."""
         spec = self.spec
-        if engine in ("mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant") and spec.draft is None:
+        if engine in ("mlx-lm-draft", "mlxspec-draft", "mlxspec-assistant", "mlxspec-dflash") and spec.draft is None:
             return "needs --draft-model"
         from ..engine.drafters.registry import resolve_drafter
 
-        assistant = spec.draft is not None and resolve_drafter("auto", spec.draft.model, None) == "assistant"
-        if engine in ("mlx-lm-draft", "mlxspec-draft") and assistant:
-            return "the --draft-model is a Gemma-4 assistant, not a model of its own (see mlxspec-assistant)"
-        if engine == "mlxspec-assistant" and not assistant:
-            return "the --draft-model is not a Gemma-4 assistant"
+        kind = resolve_drafter("auto", spec.draft.model, None) if spec.draft is not None else None
+        names = {"assistant": "a Gemma-4 assistant", "dflash": "a DFlash drafter"}
+        if engine in ("mlx-lm-draft", "mlxspec-draft") and kind in names:
+            return f"the --draft-model is {names[kind]}, not a model of its own (see mlxspec-{kind})"
+        for drafter, what in names.items():
+            if engine == f"mlxspec-{drafter}" and kind != drafter:
+                return f"the --draft-model is not {what}"
         if engine == "mlx-lm-draft":
             from mlx_lm.models.cache import make_prompt_cache
 
