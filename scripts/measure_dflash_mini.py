@@ -41,7 +41,9 @@ WORKLOADS = ("completion", "echo", "toolcall", "novel")
 # name: (drafter, depth, gates, tree); depth None with gates: the engine chooses, as `mlxspec run`
 # does; tree 0: chains (per-position acceptance is a chain's), None: the engine's tree policy
 ACCEPTANCE_CONFIGS = {"dflash-d7": ("dflash", 7, False, 0), "mtp-d7": ("mtp", 7, False, 0),
-                      "mtp-d2": ("mtp", 2, False, 0)}
+                      "mtp-d2": ("mtp", 2, False, 0), "dflash-d3": ("dflash", 3, False, 0),
+                      "dflash-d3-tree8": ("dflash", 3, False, 8), "dflash-d7-tree16": ("dflash", 7, False, 16),
+                      "dflash-d7-tree32": ("dflash", 7, False, 32)}
 SPEED_CONFIGS = {"plain": ("none", None, False, 0), "dflash-d7": ("dflash", 7, False, 0),
                  "dflash-d3": ("dflash", 3, False, 0), "dflash-auto": ("dflash", None, True, 0),
                  "dflash-tree": ("dflash", None, True, None), "mtp-d2": ("mtp", 2, False, 0),
