@@ -2,6 +2,7 @@
 and the JSON (every cell identical to its script)."""
 
 import json
+import math
 
 import mlx.core as mx
 import pytest
@@ -106,3 +107,104 @@ def test_cli_real_shapes_json_and_errors(tmp_path):
                       (["some-model", "--real-shapes", "smoke"], "give no MODEL")]:
         bad = runner.invoke(cli.app, ["bench", *args])
         assert bad.exit_code != 0 and msg in bad.output, bad.output
+
+
+# -- DFlash rows: the profile workloads, the steered block drafter, draft trees ----------------
+
+
+def test_profile_scripts_rank_the_script_token_as_promised():
+    from mlxspec.bench.script import PROFILES
+
+    s = make_script("dflash", 4096, 32, 3000)
+    assert s.steered and s.profile is PROFILES["dflash"] and not set(s.continuation) & set(s.prompt)
+    starts = range(len(s.prompt), len(s.target) - 16)
+    for i in (1, 4, 12):
+        ranks = [s.ranked(start, i) for start in starts]
+        top1 = sum(a == s.target[start + i - 1] for start, (a, _, _) in zip(starts, ranks)) / len(ranks)
+        top2 = sum(b == s.target[start + i - 1] for start, (_, b, _) in zip(starts, ranks)) / len(ranks)
+        r = 0.97 * 0.95 ** (i - 1)
+        assert abs(top1 - r) < 0.04 and abs(top2 - 0.5 * (1 - r)) < 0.04
+        assert all(a != b for a, b, _ in ranks)
+        assert all(neither == (s.target[st + i - 1] not in (a, b)) for st, (a, b, neither) in zip(starts, ranks))
+    # a steered chain drafter proposes the top-1s; the same (start, position) always decides the same
+    assert s.drafts(40, 5) == [s.ranked(40, i)[0] for i in range(1, 6)] == s.drafts(40, 5)
+    m = make_script("mtp-like", 4096, 32, 3000)
+    right = [sum(m.drafts(st, 3)[i - 1] == m.target[st + i - 1] for st in starts) / len(starts) for i in (1, 2, 3)]
+    assert all(abs(x - want) < 0.04 for x, want in zip(right, (0.73, 0.66, 0.67)))
+    assert parse_workload("dflash") is None and parse_workload("mtp-like") is None
+
+
+def test_steered_rows_put_top1_top2_and_demote_the_script_token():
+    from mlxspec.bench.script import steered_rows, tree_depth
+
+    s = make_script("dflash", 1024, 16, 200)
+    rows = steered_rows(s, 40, mx.zeros((15, 1024), mx.bfloat16))
+    probs = mx.softmax(rows, axis=-1)
+    order = mx.argsort(-rows, axis=-1)
+    for i in range(1, 16):
+        a, b, neither = s.ranked(40, i)
+        assert order[i - 1, 0].item() == a and order[i - 1, 1].item() == b
+        r = 0.97 * 0.95 ** (i - 1)
+        assert abs(probs[i - 1, a].item() - r) < 1e-3 and abs(probs[i - 1, b].item() - 0.5 * (1 - r)) < 1e-3
+        if neither:
+            assert order[i - 1, -1].item() == s.target[40 + i - 1]
+    depths = {n: tree_depth("dflash", n, 16) for n in (4, 8, 16, 32)}
+    assert [depths[n][0] for n in (4, 8, 16, 32)] == [3, 7, 10, 11]
+    chain15 = sum(math.prod(0.97 * 0.95 ** j for j in range(i)) for i in range(1, 16))
+    assert depths[32][1] > chain15 + 0.8  # 32 nodes keep more than the whole block's chain
+
+
+def test_scripted_target_follows_node_depths_in_a_tree_verify():
+    from mlxspec.engine.cache import ModelState
+    from mlxspec.engine.tree_forward import keep_path, tree_forward
+
+    model = random_model("smoke", bits=0)
+    script = make_script("novel", 1024, 24, 16)
+    ScriptedLogits(model, script.target)
+    state = ModelState(model)
+    state.prefill(script.prompt[:-1])
+    start = state.length  # the root (the prompt's last token) goes here
+    parents = [-1, 0, 1, 0, 3, 2]  # depths 0 1 2 1 2 3
+    tokens = mx.array([script.prompt[-1], 5, 6, 7, 8, 9], mx.uint32)
+    rows = mx.argmax(tree_forward(state, tokens, parents), axis=-1).tolist()
+    assert rows == [script.target[start + 1 + d] for d in (0, 1, 2, 1, 2, 3)]
+    keep_path(state, start, [0])
+
+
+def test_plan_has_the_dflash_chains_and_trees():
+    cells = plan(["dflash", "mtp-like"], True, (1, 2), None, dflash_block=16)
+    dflash = [(c.depth, c.tree) for c in cells if c.engine == "mlxspec-dflash"]
+    assert dflash == [(None, 0), (None, None), (3, 0), (7, 0), (15, 0), (3, 4), (7, 8), (10, 16), (11, 32)]
+    assert [c.engine for c in cells if c.workload == "mtp-like"] == ["mlx-lm", "mlxspec-mtp"]
+    assert not [c for c in plan(["dflash"], True, (1,), None) if c.engine == "mlxspec-dflash"]  # no drafter
+
+
+@pytest.mark.parametrize("shape", ["smoke", "smoke-hybrid"])
+def test_dflash_rows_run_and_every_cell_is_identical(shape):
+    from rich.console import Console
+
+    from mlxspec.bench.report import real_shapes_table
+
+    result = run_real_shapes([shape], bits=0, prompt_tokens=16, max_tokens=20, reps=2,
+                             workloads=("dflash", "mtp-like"), temperature=None)
+    cells = result["cells"]
+    assert all(c["identical"] for c in cells), [c for c in cells if not c["identical"]]
+    dflash = {(c["depth"], c["tree"]): c for c in cells if c["engine"] == "mlxspec-dflash"}
+    assert set(dflash) == {("auto", 0), ("auto", "auto"), (3, 0), (7, 0), (15, 0), (3, 4), (7, 8), (10, 16),
+                           (11, 32)}
+    for (depth, tree), c in dflash.items():
+        assert c["speedup"] > 0 and c["ideal"] > 0 and c["acceptance"] > 0 and c["tokens_per_step"] > 1
+        lo, hi = c["speedup_iqr"]
+        assert lo <= c["speedup"] <= hi
+        if isinstance(tree, int) and tree:  # every verify a tree of at most N nodes
+            assert c["tree_steps"] > 0 and 1 < c["mean_tree_nodes"] <= tree
+        elif tree == 0:
+            assert c["tree_steps"] == 0
+    assert dflash[(3, 0)]["tokens_per_step"] <= 4.0 and dflash[(15, 0)]["mean_depth"] > 7
+    assert {c["engine"] for c in cells if c["workload"] == "mtp-like"} == {"mlx-lm", "mlxspec-mtp"}
+    info = result["shapes"][0]
+    assert set(info["tree_ms"]) == {"4", "8", "16", "32"} and info["draft_step_ms"]["mlxspec-dflash"] > 0
+    assert info["dflash"]["block_size"] == 16 and "16" in info["forward_ms"]
+    console = Console(width=200, record=True)
+    console.print(real_shapes_table({"cells": cells}, shape))
+    assert "mlxspec-dflash" in console.export_text()

@@ -13,6 +13,11 @@ interleaved. Reported per cell, median over repetitions: tok/s, speedup over mlx
 the same workload (per repetition, against that repetition's mlx-lm run), acceptance, tokens
 per target forward, the ideal speedup (what the measured forward costs allow for the steps
 this run took, with no host time) and achieved/ideal, and whether the tokens equal the script.
+
+Profile workloads (``dflash``, ``mtp-like``: :data:`script.PROFILES`): a DFlash drafter of the
+published size (``synthetic.DFLASH``), steered after its real block forward, as chains of depth
+3 / 7 / 15 and gated, as trees of 4 / 8 / 16 / 32 nodes (each at the depth whose tree keeps the
+most; its tree verify timed for the ideal) and of the cost model's size; the gated MTP head.
 """
 
 from __future__ import annotations
@@ -23,11 +28,15 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
+PROFILE_WORKLOADS = ("dflash", "mtp-like")  # script.PROFILES, named here without importing mlx
+
 WORKLOADS = ("echo", "novel", "scripted-a0.8", "scripted-a0.6", "scripted-a1.0")
 DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.6-27b", "qwen3.6-35b-a3b")
 DRAFT_SHAPE = "qwen3-0.6b"
 ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft",
-           "mlxspec-assistant")
+           "mlxspec-assistant", "mlxspec-dflash")
+DFLASH_CHAINS = (3, 7, 15)  # forced chain depths: blocks of 4, 8 and 16
+DFLASH_TREES = (4, 8, 16, 32)  # draft-tree node budgets
 BASELINE = "mlx-lm"
 MLX_LM_DRAFT_DEPTH = 3  # mlx-lm-draft's num_draft_tokens, as in `mlxspec bench`
 
@@ -38,19 +47,25 @@ class Cell:
     engine: str
     depth: int | None = None  # None: the engine's own gates and depth choice; else forced, no gates
     temperature: float = 0.0
+    tree: int | None = 0  # draft trees of at most this many nodes; 0: chains; None: the cost model picks
 
     @property
     def key(self) -> tuple:
-        return (self.workload, self.engine, self.depth, self.temperature)
+        return (self.workload, self.engine, self.depth, self.temperature, self.tree)
 
 
-def plan(workloads, dense: bool, depths, temperature: float | None, assistant: bool = False) -> list[Cell]:
+def plan(workloads, dense: bool, depths, temperature: float | None, assistant: bool = False,
+         dflash_block: int | None = None) -> list[Cell]:
     """The cells of one shape: each workload's engines, forced depths at full acceptance, and
     a seeded pass at ``temperature`` (None: none). ``assistant``: a Gemma-4 target, whose model
-    drafter is its assistant (no MTP head, no separate draft model, no mlx-lm draft loop)."""
+    drafter is its assistant (no MTP head, no separate draft model, no mlx-lm draft loop).
+    ``dflash_block``: the block size of the shape's DFlash drafter (None: it has none)."""
     drafter = "mlxspec-assistant" if assistant else "mlxspec-mtp"
     cells = []
     for w in workloads:
+        if w in PROFILE_WORKLOADS:
+            cells += profile_cells(w, assistant, dflash_block)
+            continue
         cells.append(Cell(w, BASELINE))
         if w in ("echo", "novel"):
             cells += [Cell(w, e) for e in ("mlxspec-none", "mlxspec-pld", drafter)]
@@ -70,6 +85,20 @@ def plan(workloads, dense: bool, depths, temperature: float | None, assistant: b
             if w in workloads:
                 cells += [Cell(w, BASELINE, None, temperature), Cell(w, e, None, temperature)]
     return cells
+
+
+def profile_cells(w: str, assistant: bool, block: int | None) -> list[Cell]:
+    """A profile workload's cells: DFlash chains and trees (``dflash``), the MTP head (``mtp-like``)."""
+    from .script import tree_depth
+
+    if w == "dflash" and block:
+        e = "mlxspec-dflash"
+        return ([Cell(w, BASELINE), Cell(w, e), Cell(w, e, tree=None)]
+                + [Cell(w, e, min(d, block - 1)) for d in DFLASH_CHAINS]
+                + [Cell(w, e, tree_depth(w, n, block)[0], tree=n) for n in DFLASH_TREES])
+    if w == "mtp-like" and not assistant:
+        return [Cell(w, BASELINE), Cell(w, "mlxspec-mtp")]
+    return []
 
 
 def parse_shapes(text: str) -> list[str]:
@@ -152,6 +181,7 @@ class Run:
     decode_s: float
     stats: dict | None = None  # mlxspec's Stats.to_dict()
     from_draft: int | None = None  # mlx-lm-draft
+    trees: list[tuple[int, int]] | None = None  # (nodes, depth) of each tree verified
 
     @property
     def tps(self) -> float | None:
@@ -165,10 +195,9 @@ class ShapeBench:
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
         from ..engine.cache import model_nbytes
-        from ..engine.costs import measure_verify_cost
-        from .gemma4_shapes import GEMMA4, assistant_config
+        from ..engine.costs import measure_tree_factor, measure_verify_cost
         from .script import ScriptedLogits, make_script
-        from .synthetic import MOE, random_assistant, random_model, random_mtp_head, shape_config, vocab_size
+        from .synthetic import MOE, dflash_step_ms, random_model, shape_config, tree_ms, vocab_size
 
         say = on_step or (lambda *a: None)
         self.shape, self.max_tokens, self.seed = shape, max_tokens, seed
@@ -178,15 +207,7 @@ class ShapeBench:
         say(f"{shape}: building the target ({bits}-bit)")
         t0 = time.perf_counter()
         self.model = random_model(shape, bits=bits)
-        self.head = self.draft = self.assistant = None
-        if shape in GEMMA4:
-            say(f"{shape}: building the assistant")
-            self.assistant = random_assistant(self.model, assistant_config(shape), bits=bits)
-        else:
-            say(f"{shape}: building the MTP head and the draft model")
-            self.head = random_mtp_head(self.model, shape, bits=bits)
-            draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
-            self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
+        self._build_drafters(shape, bits, vocab, workloads, say)
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
@@ -196,13 +217,49 @@ class ShapeBench:
         self.cost = measure_verify_cost(self.model, vocab=vocab)
         say(f"{shape}: timing forwards over a growing cache")
         self.forward = forward_ms(self.model, range(2, widest + 1), prompt_tokens, reps, vocab)
+        self.draft_step_ms = {"mlxspec-pld": 0.0}
         if self.assistant is not None:
-            self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-assistant": assistant_step_ms(
-                self.model, self.assistant, prompt_tokens, reps)}
-        else:
-            draft_forward = forward_ms(self.draft, (), prompt_tokens, reps, vocab)
-            self.draft_step_ms = {"mlxspec-pld": 0.0, "mlxspec-mtp": mtp_step_ms(self.head, prompt_tokens, reps),
-                                  "mlxspec-draft": draft_forward[1]}
+            self.draft_step_ms["mlxspec-assistant"] = assistant_step_ms(self.model, self.assistant, prompt_tokens, reps)
+        if self.head is not None:
+            self.draft_step_ms["mlxspec-mtp"] = mtp_step_ms(self.head, prompt_tokens, reps)
+        if self.draft is not None:
+            self.draft_step_ms["mlxspec-draft"] = forward_ms(self.draft, (), prompt_tokens, reps, vocab)[1]
+        self.tree_ms: dict[int, float] = {}
+        self.tree_error = None
+        if self.dflash is not None:
+            say(f"{shape}: timing the DFlash block step and the tree verifies")
+            self.draft_step_ms["mlxspec-dflash"] = dflash_step_ms(self.dflash, self.model, prompt_tokens, reps)
+            try:  # (a target that cannot verify trees gets {} and None: its cells verify chains)
+                self.tree_ms = tree_ms(self.model, self.trees, prompt_tokens, reps, vocab)
+                self.cost.tree_factor = measure_tree_factor(self.model, vocab=vocab)  # as `run` does for dflash
+            except Exception as err:  # noqa: BLE001 - a tree verify that fails: the tree cells are left out
+                self.tree_error = f"{type(err).__name__}: {err}"
+
+    def _build_drafters(self, shape: str, bits: int, vocab: int, workloads, say) -> None:
+        """The assistant (Gemma-4), else the MTP head, the draft model (when a workload runs it)
+        and the DFlash drafter (when ``dflash`` is a workload and the shape has one)."""
+        from .gemma4_shapes import GEMMA4, assistant_config
+        from .script import PROFILES, profile_tree, tree_depth
+        from .synthetic import DFLASH, random_assistant, random_dflash, random_model, random_mtp_head
+
+        self.head = self.draft = self.assistant = self.dflash = None
+        self.trees = {}
+        if shape in GEMMA4:
+            say(f"{shape}: building the assistant")
+            self.assistant = random_assistant(self.model, assistant_config(shape), bits=bits)
+            return
+        say(f"{shape}: building the MTP head")
+        self.head = random_mtp_head(self.model, shape, bits=bits)
+        if any(w not in PROFILE_WORKLOADS for w in workloads):
+            say(f"{shape}: building the draft model")
+            draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
+            self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
+        if "dflash" in workloads and shape in DFLASH:
+            say(f"{shape}: building the DFlash drafter")
+            self.dflash = random_dflash(self.model, shape, bits=bits)
+            block = self.dflash.block_size
+            self.trees = {n: profile_tree(PROFILES["dflash"], tree_depth("dflash", n, block)[0], n, vocab)
+                          for n in DFLASH_TREES}
 
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
         import mlx.core as mx
@@ -246,9 +303,9 @@ class ShapeBench:
         from ..engine.drafters.draft_model import DraftModelDrafter
         from ..engine.drafters.mtp import MTPDrafter
         from ..engine.drafters.pld import PromptLookupDrafter
-        from .script import SteeredAssistant, SteeredLookup, SteeredMTP
+        from .script import SteeredAssistant, SteeredDFlash, SteeredLookup, SteeredMTP
 
-        steered = script.acceptance is not None
+        steered = script.steered
         # a draft step's measured cost, as `run` measures it on a machine with no tune record
         cost = self.draft_step_ms.get(engine, 0.0) / self.forward[1]
         if engine == "mlxspec-pld":
@@ -263,6 +320,8 @@ class ShapeBench:
             if steered:
                 return SteeredAssistant(self.assistant, self.model, script, self.target_nbytes, cost)
             return AssistantDrafter(self.assistant, self.model, self.target_nbytes, cost)
+        if engine == "mlxspec-dflash":  # a block step's cost whatever its depth
+            return SteeredDFlash(self.dflash, self.model, script, self.target_nbytes, cost)
         return "none"
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
@@ -270,20 +329,24 @@ class ShapeBench:
         from ..engine.speculate import SpeculativeDecoder
 
         forced = cell.depth is not None
-        dec = SpeculativeDecoder(self.model, drafter=self._drafter(cell.engine, script), depth=cell.depth,
-                                 gates=not forced, cost=self.cost)
+        drafter = self._drafter(cell.engine, script)
+        dec = SpeculativeDecoder(self.model, drafter=drafter, depth=cell.depth, gates=not forced, cost=self.cost,
+                                 tree=cell.tree)
         tokens, stamps, stats = [], [], None
         for new, stats in dec.generate(script.prompt, sampling=SamplingParams(cell.temperature),
                                        max_tokens=n, seed=seed):
             if new:
                 tokens.extend(new)
                 stamps.append(time.perf_counter())
-        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict())
+        trees = getattr(drafter, "tree_log", None)  # a tree the target could not verify is not counted
+        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict(),
+                   trees=None if trees is None else trees[: stats.tree_steps])
 
     def ideal(self, cell: Cell, run: Run, plain_ms: float) -> float | None:
         """The speedup this run's steps would give if each cost only its measured forward:
         plain steps at mlx-lm's per-token time, a verify of k drafts at a (k+1)-token forward
-        plus k draft steps."""
+        plus k draft steps (a DFlash block: one step at any depth), a tree of N nodes at its
+        measured tree verify (:meth:`_tree`) plus the block step."""
         n = len(run.tokens)
         if cell.engine == BASELINE or not n:
             return 1.0 if cell.engine == BASELINE else None
@@ -293,11 +356,29 @@ class ShapeBench:
             step = self._forward(k + 1) + k * self.draft_step_ms["mlxspec-draft"]
             return n * plain_ms / (verifies * step)
         s = run.stats
+        draft = self.draft_step_ms.get(cell.engine, 0.0)
+        steps = {int(k): count for k, count in s["depth_histogram"].items()}
         total = s["plain_steps"] * plain_ms
-        for k, count in s["depth_histogram"].items():
-            k = int(k)
-            total += count * (self._forward(k + 1) + k * self.draft_step_ms.get(cell.engine, 0.0))
+        for nodes, depth in run.trees or ():  # the histogram counts a tree at its depth
+            steps[depth] -= 1
+            total += self._tree(nodes) + draft
+        for k, count in steps.items():
+            total += count * (self._forward(k + 1) + (draft if cell.engine == "mlxspec-dflash" else k * draft))
         return n * plain_ms / total if total else None
+
+    def _tree(self, nodes: int) -> float:
+        """Measured ms of a tree verify of NODES nodes: timed for the tree cells' sizes,
+        interpolated (or extended along the last two) between them; a chain verify of as many
+        rows where none was timed."""
+        t = self.tree_ms
+        if nodes in t or len(t) < 2:
+            return t.get(nodes) or self._forward(nodes + 1)
+        sizes = sorted(t)
+        lo = max([m for m in sizes if m < nodes] or sizes[:1])
+        hi = min([m for m in sizes if m > nodes and m != lo] or sizes[-1:])
+        if hi == lo:
+            lo = sizes[-2]
+        return t[lo] + (t[hi] - t[lo]) * (nodes - lo) / (hi - lo)
 
     def _forward(self, n: int) -> float:
         return self.forward.get(n) or self.forward[max(self.forward)] * n / max(self.forward)
@@ -328,9 +409,11 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
     for si, shape in enumerate(shapes):
         bench = ShapeBench(shape, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                            workloads=list(workloads), reps=reps, seed=seed,
-                           widest=max(max(depths, default=1), MLX_LM_DRAFT_DEPTH, 8) + 1,
+                           widest=max(*depths, MLX_LM_DRAFT_DEPTH, 8, *(DFLASH_CHAINS * ("dflash" in workloads))) + 1,
                            on_step=lambda m: say(m, si, len(shapes)))
-        cells = plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None)
+        cells = [c for c in plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None,
+                                 dflash_block=bench.dflash.block_size if bench.dflash is not None else None)
+                 if c.tree == 0 or bench.tree_error is None]  # trees that broke their timing would break runs
         for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
             # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
             say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
@@ -339,22 +422,32 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
         for rep in range(reps):
             for cell in cells:
                 say(f"{shape}: rep {rep + 1}/{reps} {cell.workload} {cell.engine}"
-                    + (f" depth {cell.depth}" if cell.depth else ""), si, len(shapes))
+                    + (f" depth {cell.depth}" if cell.depth else "") + (f" tree {cell.tree}" if cell.tree else ""),
+                    si, len(shapes))
                 runs[cell.key].append(bench.run(cell))
             if on_partial is not None:
-                done = {c.key: r for c, r in ((c, runs[c.key]) for c in cells)}
-                on_partial({"config": config, "shapes": shapes_out,
-                            "cells": cells_out + summarize(bench, cells, done)})
+                on_partial({"config": config, "shapes": shapes_out + [shape_info(bench, bits)],
+                            "cells": cells_out + summarize(bench, cells, runs)})
         cells_out += summarize(bench, cells, runs)
-        shapes_out.append({"shape": shape, "bits": bits, "build_s": round(bench.build_s, 1),
-                           "weights_mb": round(bench.target_nbytes / 1e6, 1),
-                           "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
-                           "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
-                           "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())}})
+        shapes_out.append(shape_info(bench, bits))
         del bench
         mx.clear_cache()
     say("done", len(shapes), len(shapes))
     return {"config": config, "shapes": shapes_out, "cells": cells_out}
+
+
+def shape_info(bench: ShapeBench, bits: int) -> dict:
+    """What one shape measured besides its cells (costs, drafters' steps, tree verifies)."""
+    d = bench.dflash
+    return {"shape": bench.shape, "bits": bits, "build_s": round(bench.build_s, 1),
+            "weights_mb": round(bench.target_nbytes / 1e6, 1),
+            "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
+            "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
+            "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())},
+            "tree_ms": {str(k): round(v, 3) for k, v in bench.tree_ms.items()},
+            "tree_factor": bench.cost.tree_factor, "tree_error": bench.tree_error,
+            "dflash": None if d is None else {"layers": d.args.num_hidden_layers, "block_size": d.block_size,
+                                              "target_layer_ids": list(d.args.target_layer_ids)}}
 
 
 def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
@@ -378,12 +471,17 @@ def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
             accepted = sum(r.from_draft for r in mine)
         # Within a repetition the cells run back to back: the ratio to that repetition's
         # mlx-lm run cancels the slow drifts of a shared machine better than a ratio of medians.
-        speedup = statistics.median(r.tps / b.tps for r, b in zip(mine, base)) if timed else None
+        ratios = [r.tps / b.tps for r, b in zip(mine, base)] if timed else []
+        speedup = statistics.median(ratios) if timed else None
+        quart = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+        trees = [t for r in mine for t in r.trees or ()]
         out.append({
             "shape": bench.shape, "workload": cell.workload, "engine": cell.engine,
             "depth": cell.depth if cell.depth is not None else "auto",
             "temperature": cell.temperature,
+            "tree": "auto" if cell.tree is None else cell.tree,
             "tps": round(tps, 2) if timed else None, "speedup": round(speedup, 3) if timed else None,
+            "speedup_iqr": [round(quart[0], 3), round(quart[2], 3)] if timed else None,
             "speedup_of_medians": round(tps / base_tps, 3) if timed else None,
             "ideal": round(ideal, 3) if ideal else None,
             "achieved_over_ideal": round(speedup / ideal, 3) if ideal else None,
@@ -394,48 +492,9 @@ def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
             "mean_depth": (round(statistics.mean(r.stats["mean_depth"] for r in mine), 2)
                            if mine[0].stats else None),
             "queued_used": sum(r.stats.get("queued_used", 0) for r in mine) if mine[0].stats else None,
+            "tree_steps": len(trees) if mine[0].trees is not None else None,
+            "mean_tree_nodes": round(statistics.mean(n for n, _ in trees), 2) if trees else None,
+            "tree_note": mine[-1].stats.get("tree_note") if mine[0].stats else None,
             "gate_events": mine[-1].stats["gate_events"] if mine[0].stats else None,
         })
     return out
-
-
-def real_shapes_table(doc: dict, shape: str):
-    """Rich table of one shape's cells."""
-    from rich.table import Table
-
-    env = doc.get("environment", {})
-    table = Table(title=f"{shape} on {env.get('device_name') or env.get('device', '?')}: speedup over "
-                        "mlx-lm (median of reps)", title_justify="left")
-    for col in ("workload", "engine", "depth", "temp", "tok/s", "speedup", "ideal", "ach/ideal",
-                "accept", "tok/step", "identical"):
-        table.add_column(col, justify="left" if col in ("workload", "engine") else "right")
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    for c in doc["cells"]:
-        if c["shape"] != shape:
-            continue
-        table.add_row(c["workload"], c["engine"], str(c["depth"]), f"{c['temperature']:g}",
-                      fmt(c["tps"], ".1f"), fmt(c["speedup"], ".2f") + "x", fmt(c["ideal"], ".2f"),
-                      fmt(c["achieved_over_ideal"], ".2f"), fmt(c["acceptance"], ".0%"),
-                      fmt(c["tokens_per_step"], ".2f"), "yes" if c["identical"] else "NO")
-    return table
-
-
-def real_shapes_chart(doc: dict, shape: str, ax) -> None:
-    """Speedup against forced depth at full acceptance (pld and mtp), with the ideal from the
-    measured forwards; the engines' own choices on each workload as points at depth 0."""
-    cells = [c for c in doc["cells"] if c["shape"] == shape and c["temperature"] == 0]
-    for i, engine in enumerate(("mlxspec-pld", "mlxspec-mtp", "mlxspec-assistant")):
-        forced = sorted((c["depth"], c["speedup"], c["ideal"]) for c in cells
-                        if c["engine"] == engine and c["workload"] == "scripted-a1.0"
-                        and c["depth"] != "auto")
-        if forced:
-            ax.plot([f[0] for f in forced], [f[1] for f in forced], marker="o", color=f"C{i}",
-                    label=f"{engine} achieved")
-            ax.plot([f[0] for f in forced], [f[2] for f in forced], linestyle="--", color=f"C{i}",
-                    label=f"{engine} ideal")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("forced depth (drafts per verify), every draft accepted")
-    ax.set_ylabel("speedup over mlx-lm")
-    ax.set_title(f"{shape} ({doc.get('device', '?')})", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)

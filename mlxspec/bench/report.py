@@ -198,6 +198,32 @@ def chat_table(doc: dict, m: dict):
     return table
 
 
+def real_shapes_table(doc: dict, shape: str):
+    """Rich table of one shape's cells."""
+    from rich.table import Table
+
+    env = doc.get("environment", {})
+    table = Table(title=f"{shape} on {env.get('device_name') or env.get('device', '?')}: speedup over "
+                        "mlx-lm (median of reps)", title_justify="left")
+    for col in ("workload", "engine", "depth", "tree", "temp", "tok/s", "speedup", "IQR", "ideal", "ach/ideal",
+                "accept", "tok/step", "identical"):
+        table.add_column(col, justify="left" if col in ("workload", "engine") else "right")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for c in doc["cells"]:
+        if c["shape"] != shape:
+            continue
+        iqr = c.get("speedup_iqr")  # older documents have none
+        tree = c.get("tree") or "-"
+        if c.get("tree") == "auto" and c.get("tree_steps") is not None:  # what the cost model chose
+            tree = f"auto ({c['tree_steps']} x {c['mean_tree_nodes']:g})" if c["tree_steps"] else "auto (chains)"
+        table.add_row(c["workload"], c["engine"], str(c["depth"]), str(tree), f"{c['temperature']:g}",
+                      fmt(c["tps"], ".1f"), fmt(c["speedup"], ".2f") + "x",
+                      f"{iqr[0]:.2f}-{iqr[1]:.2f}" if iqr else "-", fmt(c["ideal"], ".2f"),
+                      fmt(c["achieved_over_ideal"], ".2f"), fmt(c["acceptance"], ".0%"),
+                      fmt(c["tokens_per_step"], ".2f"), "yes" if c["identical"] else "NO")
+    return table
+
+
 def render(doc: dict, console) -> None:
     """Print a document's tables: one per pass, the sweep's, or one per chat model."""
     if not console.is_terminal:  # a file or pipe has no width: do not squeeze the columns
@@ -214,8 +240,6 @@ def render(doc: dict, console) -> None:
             console.print(chat_table(doc, m))
         return
     if doc["kind"] == "real_shapes":
-        from .real_shapes import real_shapes_table
-
         for shape in dict.fromkeys(c["shape"] for c in doc["cells"]):
             console.print(real_shapes_table(doc, shape))
         return
@@ -233,6 +257,27 @@ def check_matplotlib() -> None:
         importlib.import_module("matplotlib")
     except ImportError:
         raise MlxspecError(PNG_HINT) from None
+
+
+def real_shapes_chart(doc: dict, shape: str, ax) -> None:
+    """Speedup against forced depth at full acceptance (pld and mtp), with the ideal from the
+    measured forwards; the engines' own choices on each workload as points at depth 0."""
+    cells = [c for c in doc["cells"] if c["shape"] == shape and c["temperature"] == 0]
+    for i, engine in enumerate(("mlxspec-pld", "mlxspec-mtp", "mlxspec-assistant")):
+        forced = sorted((c["depth"], c["speedup"], c["ideal"]) for c in cells
+                        if c["engine"] == engine and c["workload"] == "scripted-a1.0"
+                        and c["depth"] != "auto")
+        if forced:
+            ax.plot([f[0] for f in forced], [f[1] for f in forced], marker="o", color=f"C{i}",
+                    label=f"{engine} achieved")
+            ax.plot([f[0] for f in forced], [f[2] for f in forced], linestyle="--", color=f"C{i}",
+                    label=f"{engine} ideal")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("forced depth (drafts per verify), every draft accepted")
+    ax.set_ylabel("speedup over mlx-lm")
+    ax.set_title(f"{shape} ({doc.get('device', '?')})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _speedup_bars(doc: dict, p: dict, ax) -> None:
@@ -281,8 +326,6 @@ def write_chart(docs: list[dict], path: str) -> None:
     axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
     for ax, (doc, p) in zip(axes, panels):
         if doc["kind"] == "real_shapes":
-            from .real_shapes import real_shapes_chart
-
             real_shapes_chart(doc, p, ax)
         elif doc["kind"] == "chat":
             chat_chart(doc["chat"], ax, doc["environment"].get("device"))

@@ -12,25 +12,58 @@ Workloads (token ids, no tokenizer):
 - ``echo``: the continuation re-emits spans of the prompt, with an edit every ~25 tokens;
 - ``novel``: tokens absent from the prompt;
 - ``scripted-aA``: novel tokens, with the drafters' proposals right with probability A.
+- profiles (:data:`PROFILES`): novel tokens; the proposal for block position i (1-based, from
+  the step's first drafted position) is decided per (step start, i): the drafter's top-1 is the
+  script's token with probability r_i, else (probability s) its top-2 is, else neither (the
+  script's token is pushed far down). ``dflash``: r_i = 0.97 x 0.95^(i-1), s = 0.5 (so draft
+  trees have siblings to win); ``mtp-like``: r = 0.73 / 0.66 / 0.67 by position, 0.67 on.
+  Steered chain drafters propose the top-1; a steered DFlash drafter's block rows put the top-1
+  and top-2 there with probabilities r_i and s(1 - r_i), the rest spread evenly.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import random
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..compat import swap_class
 from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.drafters.base import Draft
+from ..engine.drafters.dflash import DFlashDrafter
 from ..engine.drafters.mtp import MTPDrafter
 from ..engine.drafters.pld import PromptLookupDrafter
+from ..engine.tree import tree_from_marginals
 from ..errors import UsageError
+from ..models.tree_attention import current as current_tree
 
 HOT = 30.0  # the scripted token's logit over 0 elsewhere: one-hot even at temperature 0.7
 EDIT_EVERY = 25
+PROFILE_DEPTH = 32  # block positions a profile decides per step; deeper ones are never right
+DEMOTED = -30.0  # the script's token in a block row where neither top-1 nor top-2 is it
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-position steering: ``right[i - 1]`` = r_i (the last value holds on), ``sibling`` = s."""
+
+    name: str
+    right: tuple[float, ...]
+    sibling: float
+
+    def r(self, i: int) -> float:
+        return self.right[min(i, len(self.right)) - 1]
+
+
+PROFILES = {
+    "dflash": Profile("dflash", tuple(0.97 * 0.95 ** (i - 1) for i in range(1, PROFILE_DEPTH + 1)), 0.5),
+    "mtp-like": Profile("mtp-like", (0.73, 0.66, 0.67), 0.0),
+}
 
 
 @dataclass
@@ -43,20 +76,50 @@ class Script:
     target: list[int]
     drafted: list[int]
     acceptance: float | None  # the steering's a; None: drafters are not steered
+    profile: Profile | None = None
+    # profiles: per step start (from len(prompt)) and block position, a uniform and two offsets
+    # that make the wrong tokens
+    events: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    vocab: int = 0
 
     @property
     def continuation(self) -> list[int]:
         return self.target[len(self.prompt):]
 
+    @property
+    def steered(self) -> bool:
+        return self.acceptance is not None or self.profile is not None
+
     def drafts(self, start: int, k: int) -> list[int]:
-        """A steered proposal for positions start .. start+k-1."""
+        """A steered proposal for positions start .. start+k-1 (a profile's: the top-1s)."""
+        if self.profile is not None:
+            return [self.ranked(start, i)[0] for i in range(1, k + 1)]
         tail = self.drafted[-1]
         return [self.drafted[p] if p < len(self.drafted) else tail for p in range(start, start + k)]
 
+    def ranked(self, start: int, i: int) -> tuple[int, int, bool]:
+        """A profile's (top-1, top-2, whether the script's token is neither) for block position
+        i of the step whose first drafted position is START."""
+        u, x, y = self.events
+        vocab = self.vocab
+        p = start + i - 1
+        t = self.target[p] if p < len(self.target) else self.target[-1]
+        row = min(max(start - len(self.prompt), 0), u.shape[0] - 1)
+        wrong_a = (t + 1 + int(x[row, i - 1])) % vocab if i <= PROFILE_DEPTH else (t + 1) % vocab
+        wrong_b = (t + 1 + (int(x[row, i - 1]) + 1 + int(y[row, i - 1])) % (vocab - 1)) % vocab \
+            if i <= PROFILE_DEPTH else (t + 2) % vocab
+        r, s = self.profile.r(i), self.profile.sibling
+        draw = float(u[row, i - 1]) if i <= PROFILE_DEPTH and p < len(self.target) else 2.0
+        if draw < r:
+            return t, wrong_a, False
+        if draw < r + s * (1 - r):
+            return wrong_a, t, False
+        return wrong_a, wrong_b, True
+
 
 def parse_workload(name: str) -> float | None:
-    """The steering acceptance of a workload name (None for echo / novel)."""
-    if name in ("echo", "novel"):
+    """The steering acceptance of a workload name (None for echo / novel and the profiles)."""
+    if name in ("echo", "novel") or name in PROFILES:
         return None
     if name.startswith("scripted-a"):
         try:
@@ -65,8 +128,8 @@ def parse_workload(name: str) -> float | None:
             a = -1.0
         if 0.0 <= a <= 1.0:
             return a
-    raise UsageError(f"unknown workload '{name}': echo, novel or scripted-aA with 0 <= A <= 1 "
-                     "(e.g. scripted-a0.8)")
+    raise UsageError(f"unknown workload '{name}': echo, novel, {', '.join(PROFILES)} or scripted-aA "
+                     "with 0 <= A <= 1 (e.g. scripted-a0.8)")
 
 
 def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed: int = 0,
@@ -97,12 +160,17 @@ def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed
         out = [rng.randrange(half, vocab) for _ in range(n)]
     target = prompt + out
     drafted = list(target)
+    if name in PROFILES:
+        gen = np.random.default_rng(list(f"profile/{name}/{seed}".encode()))
+        shape = (n + 2, PROFILE_DEPTH)
+        events = (gen.random(shape), gen.integers(0, vocab - 1, shape), gen.integers(0, max(vocab - 2, 1), shape))
+        return Script(name, prompt, target, drafted, None, PROFILES[name], events, vocab)
     if a is not None:
         steer = random.Random(f"steer/{name}/{seed}")
         for p in range(len(prompt), len(target)):
             if steer.random() >= a:  # a wrong token, never the target's
                 drafted[p] = (target[p] + 1 + steer.randrange(vocab - 1)) % vocab
-    return Script(name, prompt, target, drafted, a)
+    return Script(name, prompt, target, drafted, a, vocab=vocab)
 
 
 def _cache_offset(cache) -> int:
@@ -114,7 +182,8 @@ def _cache_offset(cache) -> int:
 
 
 class ScriptedLogits:
-    """Replaces ``model``'s logits by a one-hot on ``table[p + 1]`` for the row at position p.
+    """Replaces ``model``'s logits by a one-hot on ``table[p + 1]`` for the row at position p
+    (in a tree verify, a node's position is the cache offset plus its depth).
 
     The body (tokens -> hidden) notes the positions of its rows from the cache; the lm_head
     call for those rows replaces its output. Other head calls (an MTP head's logits through the
@@ -122,14 +191,15 @@ class ScriptedLogits:
 
     def __init__(self, model: nn.Module, table: list[int]):
         self.table = mx.array(table, mx.int32)
-        self.pending: tuple[int, int] | None = None
+        self.pending: tuple[int, int, list[int] | None] | None = None
         lm = getattr(model, "language_model", model)
         body = lm.model
         base = type(body)
         outer = self
 
         def call(self_, inputs, cache=None, *args, **kwargs):
-            outer.pending = (_cache_offset(cache), inputs.shape[1])
+            tree = current_tree()  # a tree verify: row i sits at offset + depth(i)
+            outer.pending = (_cache_offset(cache), inputs.shape[1], None if tree is None else tree.depth)
             return base.__call__(self_, inputs, cache, *args, **kwargs)
 
         # a subclass for this one instance: the model's own __call__ reaches it unchanged
@@ -144,8 +214,9 @@ class ScriptedLogits:
         # the trunk's rows come as (1, n, V); an MTP head's through the same lm_head as (n, V)
         if self.pending is None or logits.ndim != 3 or logits.shape[1] != self.pending[1]:
             return logits
-        (offset, n), self.pending = self.pending, None
-        where = mx.minimum(mx.arange(offset + 1, offset + 1 + n), self.table.shape[0] - 1)
+        (offset, n, depth), self.pending = self.pending, None
+        rows = mx.arange(n) if depth is None else mx.array(depth)
+        where = mx.minimum(offset + 1 + rows, self.table.shape[0] - 1)
         hot = mx.arange(logits.shape[-1])[None] == self.table[where][:, None]
         # the real logits stay a data dependency: their whole lm_head matmul is still computed
         return mx.where(hot, HOT, 0.0).astype(logits.dtype) + logits[..., :1] * 0
@@ -207,3 +278,91 @@ def steer(draft: Draft | None, script: Script, start: int) -> Draft | None:
         return None
     want = mx.array(script.drafts(start, len(draft)), mx.uint32)
     return Draft(draft.tokens * 0 + want, draft.logprobs)
+
+
+class SteeredDFlash(DFlashDrafter):
+    """The DFlash drafter runs its block forward and LM head for real (its cost is paid), then
+    its rows become the profile's (:func:`steered_rows`), so its chains and trees follow the
+    script. ``tree_log``: (nodes, depth) of every tree it proposed."""
+
+    def __init__(self, model, target, script: Script, target_nbytes: int | None = None,
+                 cost_per_step: float | None = None):
+        super().__init__(model, target, target_nbytes, cost_per_step)
+        self.script = script
+        self.tree_log: list[tuple[int, int]] = []
+
+    def block_logits(self, tokens, k):
+        logits = super().block_logits(tokens, k)
+        if logits is None or self.script.profile is None:
+            return logits
+        return steered_rows(self.script, len(tokens), logits)
+
+    def propose_tree(self, tokens, k, budget, sampling):
+        tree = super().propose_tree(tokens, k, budget, sampling)
+        if tree is not None and len(tree):
+            self.tree_log.append((len(tree), max(tree.depths())))
+        return tree
+
+
+def profile_values(profile: Profile, i: int, vocab: int) -> tuple[float, float]:
+    """Logits of block position i's top-1 and top-2 over 0 for the rest, so that the row's
+    probabilities are r_i, s(1 - r_i) and the remainder spread over the other tokens."""
+    r, s = profile.r(i), profile.sibling
+    each = max((1 - s) * (1 - r), 1e-6) / max(vocab - 2, 1)
+    return math.log(r / each), (math.log(s * (1 - r) / each) if s > 0 else 0.0)
+
+
+def steered_rows(script: Script, start: int, logits: mx.array) -> mx.array:
+    """(k, V) float32 rows of block positions 1..k for the step drafting from START: the
+    profile's top-1 / top-2 (the script's token demoted where neither is it); the real logits
+    stay a data dependency, so the block forward and LM head are still computed."""
+    k, vocab = logits.shape
+    top1, top2, low, v1, v2, v3 = [], [], [], [], [], []
+    for i in range(1, k + 1):
+        a, b, neither = script.ranked(start, i)
+        one, two = profile_values(script.profile, i, vocab)
+        p = start + i - 1
+        t = script.target[p] if p < len(script.target) else a
+        top1.append(a), top2.append(b), v1.append(one), v2.append(two)
+        low.append(t if neither else a), v3.append(DEMOTED if neither else 0.0)
+    col = mx.arange(vocab)[None]
+    put = lambda ids, vals: mx.where(col == mx.array(ids)[:, None], mx.array(vals)[:, None], 0.0)  # noqa: E731
+    rows = put(top1, v1) + put(top2, v2) + put(low, v3)
+    return rows.astype(mx.float32) + logits[:, :1].astype(mx.float32) * 0
+
+
+def profile_rows(profile: Profile, k: int, vocab: int) -> mx.array:
+    """(k, V) log-probabilities of a steered block with top-1 token 0 and top-2 token 1: every
+    step's rows up to the token ids, so every step's tree has this one's shape."""
+    rows = []
+    for i in range(1, k + 1):
+        one, two = profile_values(profile, i, vocab)
+        rows.append(mx.concatenate([mx.array([one, two]), mx.zeros((vocab - 2,))]))
+    rows = mx.stack(rows)
+    return rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+
+
+def profile_tree(profile: Profile, k: int, budget: int, vocab: int):
+    """The DDTree of BUDGET nodes over k block rows that a steered DFlash drafter proposes."""
+    return tree_from_marginals(profile_rows(profile, k, vocab), budget)
+
+
+@functools.lru_cache(maxsize=None)
+def tree_depth(name: str, budget: int, block: int, vocab: int = 1 << 17) -> tuple[int, float]:
+    """(k, expected drafted tokens kept): the depth 1 <= k < BUDGET (k < BLOCK) whose tree of
+    BUDGET nodes keeps the most under profile NAME, and that expectation. A node is kept with
+    the product over its path of r_d (a top-1) or s(1 - r_d) (a top-2)."""
+    profile = PROFILES[name]
+    best = (0, -1.0)
+    for k in range(1, min(budget, block)):
+        with mx.stream(mx.cpu):  # host arithmetic: no GPU kernels built for each of these shapes
+            tree = profile_tree(profile, k, budget, vocab)
+        kept, p = 0.0, [1.0]
+        for node, (tok, parent) in enumerate(zip(tree.tokens, tree.parents), start=1):
+            d = tree.depth(node)
+            r = profile.r(d)
+            p.append(p[parent] * (r if tok == 0 else profile.sibling * (1 - r) if tok == 1 else 0.0))
+            kept += p[-1]
+        if kept > best[1] + 1e-9:
+            best = (k, kept)
+    return best

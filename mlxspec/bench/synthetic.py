@@ -5,7 +5,8 @@ what that checkpoint's decode and verify steps cost without downloading it. Weig
 directly in bfloat16 and quantized one decoder layer at a time, each layer evaluated before the
 next is made, so even the 27B shape needs little more than its quantized size in memory.
 
-Used by ``mlxspec bench --sweep`` and the scripts in ``benchmarks/``.
+Used by ``mlxspec bench --sweep`` / ``--real-shapes`` (which also times a DFlash drafter's block
+step and tree verifies here) and the scripts in ``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ HYBRID["smoke-moe"] = dict(  # a quick check of the MoE path on a CPU
 # Gemma-4 31B and 26B-A4B (text model) and a tiny one: see gemma4_shapes.py and its sources
 SHAPES = tuple(DENSE) + tuple(HYBRID) + tuple(GEMMA4)
 MOE = ("qwen3.6-35b-a3b", "smoke-moe")
+
+# DFlash block drafters (z-lab layout, models/dflash.py) of the published sizes: the target's
+# width, attention heads and intermediate size, 5 layers, block 16. Qwen3-8B-DFlash-b16's layer
+# count and ids are derived as z-lab's reference does (target_layer_ids by
+# default_target_layer_ids(36, 5) = [1, 9, 17, 25, 33]); for Qwen3.6-27B, z-lab's
+# Qwen3.5-27B-DFlash at the target's width 5120, ids default for 64 layers. Values: (draft
+# layers, block size, target_layer_ids or None for the default).
+DFLASH = {
+    "smoke": (2, 16, [0, 1]),  # quick checks on a CPU
+    "smoke-hybrid": (2, 16, [1, 3]),
+    "qwen3-8b": (5, 16, None),
+    "qwen3.6-27b": (5, 16, None),
+}
 
 
 def shape_config(shape: str, vocab: int | None = None) -> dict:
@@ -194,6 +208,40 @@ def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int
     return MTPHead(module, split_trunk(model), nbytes, f"random {shape} head")
 
 
+def dflash_args(shape: str, vocab: int | None = None):
+    """The DFlashArgs of ``shape``'s DFlash drafter (:data:`DFLASH`)."""
+    from ..models.dflash import DFlashArgs, default_target_layer_ids
+
+    layers, block, ids = DFLASH[shape]
+    config = shape_config(shape, vocab)
+    text = config.get("text_config", config)
+    n = text["num_hidden_layers"]
+    rope = text.get("rope_parameters") or {}
+    return DFlashArgs(
+        hidden_size=text["hidden_size"], num_hidden_layers=layers,
+        num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
+        head_dim=text["head_dim"], intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
+        block_size=block, target_layer_ids=tuple(ids or default_target_layer_ids(n, layers)),
+        num_target_layers=n, mask_token_id=text["vocab_size"] - 1,
+        rope_theta=text.get("rope_theta", rope.get("rope_theta", 1e6)))
+
+
+def random_dflash(model: nn.Module, shape: str, bits: int = 4, group_size: int = 64, seed: int = 4):
+    """A DFlash drafter of ``shape``'s published size (:data:`DFLASH`) with random weights,
+    quantized to ``bits`` (0: bf16) as the MTP head is, checked against ``model``: its real
+    block-forward cost, for timing. No CUDA kernels installed: a loaded drafter gets none."""
+    from ..models.dflash import DFlashDraftModel, check_pair
+
+    drafter = DFlashDraftModel(dflash_args(shape))
+    mx.random.seed(seed)
+    _randomize(drafter, 0.02)
+    if bits:
+        nn.quantize(drafter, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+    mx.eval(drafter.parameters())
+    check_pair(model, drafter, f"random {shape} drafter")
+    return drafter
+
+
 def random_assistant(model: nn.Module, assistant_config: dict, bits: int = 4, group_size: int = 64,
                      seed: int = 3):
     """A Gemma-4 assistant of ``assistant_config`` (an assistant's config.json, e.g. a real
@@ -218,3 +266,59 @@ def random_assistant(model: nn.Module, assistant_config: dict, bits: int = 4, gr
     mx.eval(assistant.parameters())
     check_pair(model, assistant)
     return assistant
+
+
+def dflash_step_ms(drafter, model, context: int, reps: int) -> float:
+    """Median ms of one DFlash block step (the block forward over a context of ``context``
+    positions, the LM head over the block's drafted rows, a greedy pick), through the drafter."""
+    import statistics
+
+    from ..engine.costs import call_times
+    from ..engine.drafters.dflash import DFlashDrafter
+
+    d = DFlashDrafter(drafter, model, cost_per_step=0.0)
+    width = len(drafter.args.target_layer_ids) * drafter.args.hidden_size
+    d.add_hidden((mx.random.normal((context, width)) * 0.5).astype(mx.bfloat16))
+    tokens = [(5 * i) % drafter.args.vocab_size for i in range(context + 1)]
+
+    def one():
+        mx.eval(mx.argmax(d.block_logits(tokens, d.block - 1), axis=-1))
+
+    return 1e3 * statistics.median(call_times(one, reps, warmup=1))
+
+
+def tree_ms(model, trees: dict, context: int, reps: int, vocab: int) -> dict[int, float]:
+    """Median ms of a tree verify (``engine/tree_forward``) of each tree (node count -> DraftTree)
+    over a cache of ``context`` tokens, in interleaved rounds; {} where the target cannot verify
+    trees. Each verify is dropped whole, so every call meets the same key length, as a bench
+    cell's repetitions meet theirs (the same script each time): on CUDA, trees of 17 and 33 rows
+    timed at a new key length each call cost 3x what they cost in the runs (past the verify
+    kernel's 16 query rows, MLX's attention seems to build work per key length)."""
+    import statistics
+    import time
+
+    from ..engine.cache import ModelState
+    from ..engine.tree_forward import TreeUnsupported, keep_path, tree_forward
+
+    state = ModelState(model)
+    state.prefill([(7 * i) % vocab for i in range(context)])
+
+    def one(tree) -> float:
+        start = state.length
+        t0 = time.perf_counter()
+        mx.eval(tree_forward(state, tree.inputs(start % vocab), tree.parents_with_root()))
+        seconds = time.perf_counter() - t0
+        keep_path(state, start, [])
+        return seconds
+
+    try:
+        for tree in trees.values():  # untimed: kernels are built per new shape
+            one(tree)
+    except TreeUnsupported:
+        return {}
+    times: dict[int, list[float]] = {n: [] for n in trees}
+    order = list(trees)
+    for rep in range(reps):
+        for n in (order if rep % 2 == 0 else order[::-1]):
+            times[n].append(one(trees[n]))
+    return {n: 1e3 * statistics.median(t) for n, t in times.items()}

@@ -69,11 +69,11 @@ time to first token of each, the speedup of reuse, and whether the tokens are id
 target logits are replaced after each real forward by a scripted continuation, so the output
 is known in advance and checked token for token. Workloads (--workloads): echo (spans of the
 prompt with an edit every ~25 tokens), novel (tokens absent from the prompt), scripted-aA (the
-drafters' proposals follow the script, each token right with probability A). Engines: mlx-lm
-plain and with a draft model (dense only), mlxspec none / pld / mtp (a random head of the real
-layout) / draft (a random Qwen3-0.6B-shaped model) / assistant (Gemma-4 shapes, for mtp and draft),
-with their own gates, plus forced depths at full acceptance for the ideal curve. Per cell: tok/s, speedup over mlx-lm,
-the ideal speedup from the measured forward costs, achieved/ideal, acceptance, tokens per step.
+drafters' proposals right with probability A), dflash / mtp-like (right by draft position: a DFlash drafter of the
+published size as chains of depth 3/7/15 and trees of 4-32 nodes; the MTP head). Engines: mlx-lm plain and with a
+draft model (dense only), mlxspec none / pld / mtp (a random head of the real layout) / draft (a random
+Qwen3-0.6B-shaped model) / assistant (Gemma-4 shapes, for mtp and draft) / dflash, with their own gates, plus forced
+depths for the ideal curve. Per cell: tok/s, speedup over mlx-lm (median, IQR), ideal, ach/ideal, acceptance, tok/step.
 
 --from-json redraws the tables (and --png) from saved results without running anything.
 """)
