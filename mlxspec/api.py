@@ -29,6 +29,7 @@ from .options import (
     DEFAULT_TOP_P,
     DRAFTERS,
     MAX_TREE,
+    MODEL_DRAFTERS,
     ConstraintSpec,
     check_choice,
     check_values,
@@ -368,7 +369,7 @@ class SpecModel:
 
             # `mlxspec tune` or an earlier run timed this drafter's step here
             draft_cost = stored_draft_cost(self.target, name, self.draft)
-            if draft_cost is None and name in ("draft", "mtp", "assistant", "dflash"):
+            if draft_cost is None and name in (*MODEL_DRAFTERS, "mtp"):
                 draft_cost = self.draft_cost(name, request.on_status)
         if cost is not None and cost.tree_factor is None and request.tree != 0 and (
                 name == "dflash" or request.tree not in (None, "default")):

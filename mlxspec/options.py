@@ -15,6 +15,9 @@ from .errors import MlxspecError, UsageError
 # --drafter draft could run (it reads the target's cache and hidden state), and a name users
 # see in stats and `mlxspec tune` says which of the two drafted
 DRAFTERS = ("auto", "pld", "draft", "mtp", "assistant", "dflash", "none")
+# drafters that run a separate checkpoint (--draft-model): their tuned costs and depths belong
+# to that checkpoint
+MODEL_DRAFTERS = ("draft", "assistant", "dflash")
 REASONING_MODES = ("on", "off", "auto")  # a thinking model's chat-template switch
 
 # draft depth: tokens drafted per speculative step

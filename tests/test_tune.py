@@ -106,3 +106,19 @@ def test_tune_json_cli(dirs, tiny_qwen3, monkeypatch):
     res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--max-tokens", "12"])
     assert res.exit_code == 0, res.output
     assert "verify cost" in res.stdout and "pld" in res.stdout
+
+
+def test_tune_dflash_drafter(dirs, tiny_qwen3, tmp_path):
+    import tiny_dflash
+
+    drafter_dir = tiny_dflash.write_dflash_checkpoint(tmp_path / "Qwen3-Tiny-DFlash-b8", tiny_qwen3, seed=3)
+    spec = load(str(tiny_qwen3), draft_model=str(drafter_dir))
+    result = measure.run_tune(spec, max_tokens=16, reps=1, context=32)
+    assert set(result["draft_cost"]) == {"pld", "dflash"} and result["draft_cost"]["dflash"] > 0
+    row = result["acceptance"]["dflash"]["all"]
+    # counted on chains (the block is 8: depth 7 at most), one row per position
+    assert row["position_drafted"][0] > 0 and row["position_drafted"][measure.TUNE_DEPTH - 1] == 0
+    assert row["position_drafted"][0] >= row["position_drafted"][6]
+    # a cost tuned with this drafter belongs to it: another drafter does not read it
+    assert storage.stored_draft_cost(spec.target, "dflash", spec.draft) == result["draft_cost"]["dflash"]
+    assert storage.stored_draft_cost(spec.target, "dflash", None) is None

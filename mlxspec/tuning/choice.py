@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..options import MODEL_DRAFTERS
+
 
 @dataclass(frozen=True)
 class TunedChoice:
@@ -29,7 +31,7 @@ def ratings(record: dict | None, available: list[str], draft_key: str | None = N
     tuned_draft = ((record or {}).get("draft_model") or {}).get("key")
     for name in available:
         entry = depths.get(name)
-        own_model = name in ("draft", "assistant")  # tuned with this same draft model only
+        own_model = name in MODEL_DRAFTERS  # tuned with this same draft model only
         if not isinstance(entry, dict) or (own_model and (draft_key is None or tuned_draft != draft_key)):
             continue
         depth, speedup = entry.get("depth"), entry.get("speedup")

@@ -112,7 +112,7 @@ def measure_acceptance(spec, drafter: str, prompt: str, max_tokens: int, cost=No
     head = spec.mtp_head()[0] if drafter == "mtp" else None
     decoder = SpeculativeDecoder(
         spec.target.model, draft_model=spec.draft.model if spec.draft else None, mtp_head=head,
-        drafter=drafter, depth=TUNE_DEPTH, gates=False, cost=cost)
+        drafter=drafter, depth=TUNE_DEPTH, gates=False, cost=cost, tree=0)  # chains: per-position counts
     ids = spec.encode(prompt)
     stats = None
     for _, stats in decoder.generate(ids, sampling=SamplingParams(), max_tokens=max_tokens,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..engine.gates import CostModel
 from ..hardware import detect
+from ..options import MODEL_DRAFTERS
 
 FORMAT_VERSION = 1
 DATA_ENV = "MLXSPEC_TUNE_DIR"  # overrides the folder the results live in (tests, CI)
@@ -102,7 +103,7 @@ def save_draft_cost(loaded, drafter: str, cost: float, draft=None) -> Path | Non
     costs = data.get("draft_cost", {}) if data is not None else None
     if not isinstance(costs, dict) or drafter in costs:
         return None
-    if drafter in ("draft", "assistant"):  # a cost that belongs to one draft model
+    if drafter in MODEL_DRAFTERS:  # a cost that belongs to one draft model
         tuned = data.get("draft_model")
         if draft is None or (tuned and tuned.get("key") != model_info(draft)["key"]):
             return None
@@ -159,7 +160,7 @@ def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
     """The stored cost of one draft step of ``drafter``, or None. A draft model's cost only
     counts when it was tuned with this same draft model."""
     data = load_result(loaded) or {}
-    if drafter in ("draft", "assistant"):  # a cost that belongs to one draft model
+    if drafter in MODEL_DRAFTERS:  # a cost that belongs to one draft model
         tuned = data.get("draft_model") or {}
         if draft is None or tuned.get("key") != model_info(draft)["key"]:
             return None
