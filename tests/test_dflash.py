@@ -233,8 +233,9 @@ def test_temperature_zero_is_plain_decoding(pairs, arch, depth):
     assert out == ref and stats.drafter == "dflash" and stats.drafted > 0
 
 
-def test_prefix_reuse_restores_the_drafters_context(pairs):
-    target, draft, _ = pairs["qwen3"]
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_prefix_reuse_restores_the_drafters_context(pairs, arch):
+    target, draft, _ = pairs[arch]
     prompt = target.tokenizer.encode(PROMPT_TEXT)
     ref = _greedy(target.model, prompt, N_TOKENS)
     cache = PrefixCache(1 << 26)
