@@ -207,8 +207,10 @@ def _greedy(model, prompt, n):
     return [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n))]
 
 
-def _speculate(model, draft_model, prompt, n=N_TOKENS, depth=4, drafter=None, **gen):
-    dec = SpeculativeDecoder(model, draft_model=draft_model, drafter=drafter or "auto", gates=False, depth=depth)
+def _speculate(model, draft_model, prompt, n=N_TOKENS, depth=4, drafter=None, tree=0, **gen):
+    """Chains unless TREE says otherwise (trees: tests/test_tree_engine.py)."""
+    dec = SpeculativeDecoder(model, draft_model=draft_model, drafter=drafter or "auto", gates=False, depth=depth,
+                             tree=tree)
     out, stats = [], None
     for toks, stats in dec.generate(prompt, max_tokens=n, **gen):
         out.extend(toks)
@@ -230,7 +232,9 @@ def test_temperature_zero_is_plain_decoding(pairs, arch, depth):
         assert 0 < stats.position_accepted[pos] < stats.position_drafted[pos], (pos, stats)
     # the unsteered random drafter too (mostly rejected)
     out, stats = _speculate(target.model, draft.model, prompt, depth=depth)
-    assert out == ref and stats.drafter == "dflash" and stats.drafted > 0
+    assert out == ref and stats.drafter == "dflash" and stats.drafted > 0 and stats.tree_steps == 0
+    out, stats = _speculate(target.model, draft.model, prompt, depth=depth, tree=None)  # the default: auto
+    assert out == ref and stats.drafter == "dflash"
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
@@ -242,7 +246,7 @@ def test_prefix_reuse_restores_the_drafters_context(pairs, arch):
 
     def run():
         steered = SteeredDFlash(draft.model, target.model, script=ref, prompt_len=len(prompt), seed=5)
-        dec = SpeculativeDecoder(target.model, drafter=steered, gates=False, depth=4)
+        dec = SpeculativeDecoder(target.model, drafter=steered, gates=False, depth=4, tree=0)
         out, stats = [], None
         for toks, stats in dec.generate(prompt, max_tokens=N_TOKENS, prefix_cache=cache):
             out.extend(toks)
