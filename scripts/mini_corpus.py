@@ -96,17 +96,11 @@ def edit_document(text: str, rng: random.Random, max_chars: int = 1500) -> str |
     return snippet + EDIT_MARKER + edited
 
 
-def build(work: Path, vocab_size: int, max_train_mb: float, edit_fraction: float, seed: int) -> dict:
-    """Collect, split, train the tokenizer, tokenize: writes WORK/{tokenizer,train.bin,heldout.bin,...}."""
-    from tokenizers import Tokenizer
-
-    work.mkdir(parents=True, exist_ok=True)
-    roots = source_roots()
-    code = collect(roots, (".py",))
-    prose = collect(roots, PROSE_SUFFIXES)
+def split_code(code: list, max_train_mb: float, edit_fraction: float, rng: random.Random) -> tuple[list, list, list]:
+    """The training files (shuffled, up to MAX_TRAIN_MB), the held-out ones, and edited copies
+    of about EDIT_FRACTION of the training files; RNG is advanced as build() always did."""
     train = [f for f in code if not is_held_out(f[1])]
     held = [f for f in code if is_held_out(f[1])]
-    rng = random.Random(seed)
     rng.shuffle(train)
     budget, kept = max_train_mb * 1e6, []
     for f in train:
@@ -115,6 +109,19 @@ def build(work: Path, vocab_size: int, max_train_mb: float, edit_fraction: float
         kept.append(f)
         budget -= len(f[2])
     edits = [d for f in kept if rng.random() < edit_fraction for d in [edit_document(f[2], rng)] if d]
+    return kept, held, edits
+
+
+def build(work: Path, vocab_size: int, max_train_mb: float, edit_fraction: float, seed: int) -> dict:
+    """Collect, split, train the tokenizer, tokenize: writes WORK/{tokenizer,train.bin,heldout.bin,...}."""
+    from tokenizers import Tokenizer
+
+    work.mkdir(parents=True, exist_ok=True)
+    roots = source_roots()
+    code = collect(roots, (".py",))
+    prose = collect(roots, PROSE_SUFFIXES)
+    rng = random.Random(seed)
+    kept, held, edits = split_code(code, max_train_mb, edit_fraction, rng)
     # Tokenizer: trained on a slice of the training side only.
     sample = [t for _, _, t in kept[:4000]]
     train_tokenizer(sample, vocab_size, work / "tokenizer")

@@ -86,17 +86,8 @@ def prep(work: Path, tokenizer_dir: Path, max_train_mb: float, edit_fraction: fl
     work.mkdir(parents=True, exist_ok=True)
     roots = mini_corpus.source_roots()
     code = mini_corpus.collect(roots, (".py",))
-    train = [f for f in code if not mini_corpus.is_held_out(f[1])]
-    held = [f for f in code if mini_corpus.is_held_out(f[1])]
     rng = random.Random(seed)
-    rng.shuffle(train)
-    budget, kept = max_train_mb * 1e6, []
-    for f in train:
-        if budget <= 0:
-            break
-        kept.append(f)
-        budget -= len(f[2])
-    edits = [d for f in kept if rng.random() < edit_fraction for d in [mini_corpus.edit_document(f[2], rng)] if d]
+    kept, held, edits = mini_corpus.split_code(code, max_train_mb, edit_fraction, rng)
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id(PAD_TOKEN)
 

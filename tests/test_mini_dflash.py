@@ -19,16 +19,15 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
 import tiny_dflash
+from mini_workloads import run_decoder, workload_prompts
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.dflash import DFlashDrafter
-from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.models import dflash
 from mlxspec.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "models"
 TARGET, DRAFTER = MODELS / "mini-attn", MODELS / "mini-attn-DFlash"
-WORKLOADS = ROOT / "benchmarks" / "workloads"
 
 pytestmark = pytest.mark.skipif(
     not (DRAFTER / "model.safetensors").is_file(),
@@ -100,23 +99,11 @@ def test_mlx_reproduces_the_trainers_block_logits(pair):
                 assert int(mx.argmax(logits[pos])) == row["ids"][0], (block["prefix"], pos)
 
 
-def _prompts(workload: str, tokenizer, n: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in (WORKLOADS / f"{workload}.jsonl").read_text().splitlines()]
-    return [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows[:n]]
-
-
-def _run(model, prompt, n, **kw):
-    out, stats = [], None
-    for toks, stats in SpeculativeDecoder(model, gates=False, **kw).generate(prompt, max_tokens=n):
-        out.extend(toks)
-    return out, stats
-
-
 def test_trained_drafter_drafts_held_out_code(pair):
     target, drafter = pair
     drafted = accepted = 0
-    for prompt in _prompts("completion", target.tokenizer, 2):
-        _, stats = _run(target.model, prompt, 48, draft_model=drafter.model, drafter="dflash", depth=7, tree=0)
+    for prompt in workload_prompts("completion", target.tokenizer, 2):
+        _, stats = run_decoder(target.model, prompt, 48, draft_model=drafter.model, drafter="dflash", depth=7, tree=0)
         drafted += stats.position_drafted[0]
         accepted += stats.position_accepted[0]
     assert drafted > 10
@@ -127,10 +114,11 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
     target, drafter = pair
     model = target.model
     for workload, configs in (("echo", ((3, 0), (7, "default"))), ("toolcall", ((7, 0),))):
-        prompt = _prompts(workload, target.tokenizer, 1)[0]
+        prompt = workload_prompts(workload, target.tokenizer, 1)[0]
         expected = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=32), range(32))]
         for depth, tree in configs:  # chains, and the engine's default (trees where they pay)
-            out, stats = _run(model, prompt, 32, draft_model=drafter.model, drafter="dflash", depth=depth, tree=tree)
+            out, stats = run_decoder(model, prompt, 32, draft_model=drafter.model, drafter="dflash", depth=depth,
+                                     tree=tree)
             assert out == expected, (workload, depth, tree)
             assert stats.drafted > 0 and stats.drafter == "dflash"
 

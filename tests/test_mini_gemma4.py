@@ -16,16 +16,15 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
+from mini_workloads import run_decoder, workload_prompts
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.assistant import AssistantDrafter
-from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.models.gemma4_assistant import load_assistant
 from mlxspec.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "models"
 TARGET, ASSISTANT = MODELS / "mini-gemma4", MODELS / "mini-gemma4-assistant"
-WORKLOADS = ROOT / "benchmarks" / "workloads"
 
 pytestmark = pytest.mark.skipif(
     not ((TARGET / "model.safetensors").is_file() and (ASSISTANT / "model.safetensors").is_file()),
@@ -86,23 +85,11 @@ def test_mlx_reproduces_the_trainers_assistant_block(pair):
     assert _worst_diff(rows, ref["steps"]) < LOGIT_TOL
 
 
-def _prompts(workload: str, tokenizer, n: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in (WORKLOADS / f"{workload}.jsonl").read_text().splitlines()]
-    return [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in rows[:n]]
-
-
-def _run(model, prompt, n, **kw):
-    out, stats = [], None
-    for toks, stats in SpeculativeDecoder(model, gates=False, **kw).generate(prompt, max_tokens=n):
-        out.extend(toks)
-    return out, stats
-
-
 def test_trained_assistant_drafts_held_out_code(pair):
     loaded, assistant = pair
     drafted = accepted = 0
-    for prompt in _prompts("completion", loaded.tokenizer, 4):
-        _, stats = _run(loaded.model, prompt, 64, draft_model=assistant, drafter="assistant", depth=1)
+    for prompt in workload_prompts("completion", loaded.tokenizer, 4):
+        _, stats = run_decoder(loaded.model, prompt, 64, draft_model=assistant, drafter="assistant", depth=1)
         drafted += stats.drafted
         accepted += stats.accepted
     assert drafted > 40
@@ -113,11 +100,11 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
     loaded, assistant = pair
     model = loaded.model
     for workload in ("echo", "completion", "toolcall"):
-        prompt = _prompts(workload, loaded.tokenizer, 1)[0]
+        prompt = workload_prompts(workload, loaded.tokenizer, 1)[0]
         expected = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=40), range(40))]
         for kw in ({"drafter": "pld", "depth": 4}, {"drafter": "assistant", "depth": 2, "draft_model": assistant},
                    {"drafter": "assistant", "depth": 4, "draft_model": assistant}):
-            out, stats = _run(model, prompt, 40, **kw)
+            out, stats = run_decoder(model, prompt, 40, **kw)
             assert out == expected, (workload, kw["drafter"], kw["depth"])
             assert stats.drafted > 0
 
