@@ -224,14 +224,12 @@ class _Run:
                 if pending is None and remaining > 1 and self.drafter is not None:
                     k = min(self.gate.depth(), remaining - 1)
                     self._sync_gate()
-                    new = self._tree(k) if k > 0 else None
+                    new = self._tree(k) if k > 0 else None  # a tree step, where one pays
                     if k > 0 and new is None:
                         draft = self.drafter.propose(self.tokens, k, self._draft_sampling())
-                if new is not None:
-                    pass
-                elif draft is not None:
+                if new is None and draft is not None:
                     new = self._speculative_step(draft)
-                else:
+                elif new is None:
                     self._settle_guess(None)
                     new, pending = self._plain_step(pending, remaining)
                 out = self._emit(new)
