@@ -224,3 +224,28 @@ def test_the_api_refuses_a_drafter_as_the_model_and_a_wrong_kind(pair, tiny_qwen
         spec.generate("hi", drafter="dflash", max_tokens=4)
     with pytest.raises(UsageError, match="tree must be"):
         spec.generate("hi", tree=99, max_tokens=4)
+
+
+def test_the_server_takes_a_tree_per_request_and_refuses_a_bad_one(pair):
+    from fastapi.testclient import TestClient
+
+    import mlxspec
+    from mlxspec.server.app import create_app
+    from mlxspec.server.common import Settings
+
+    target, drafter = pair
+    spec = mlxspec.load(str(target), draft_model=str(drafter))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0}
+    with TestClient(create_app(spec, Settings(model_name="tiny"))) as client:
+        plain = client.post("/v1/chat/completions", json={**body, "speculation": {"drafter": "none"}}).json()
+        tree = client.post("/v1/chat/completions",
+                           json={**body, "speculation": {"drafter": "dflash", "depth": 3, "tree": 6}}).json()
+        assert tree["choices"][0]["message"] == plain["choices"][0]["message"]
+        assert tree["usage"]["speculation"]["drafter"] == "dflash" and tree["usage"]["speculation"]["tree_steps"] > 0
+        for bad in (33, -1, "many", True):
+            r = client.post("/v1/chat/completions", json={**body, "speculation": {"tree": bad}})
+            assert r.status_code == 400 and "speculation.tree" in r.text
+        r = client.post("/api/chat", json={"model": "tiny", "messages": body["messages"], "stream": False,
+                                           "options": {"temperature": 0, "num_predict": 8},
+                                           "speculation": {"drafter": "dflash", "tree": "auto"}})
+        assert r.status_code == 200, r.text

@@ -66,7 +66,8 @@ def test_speculation_override_and_usage(spec, served):
     client = _client(url)
     off = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=16, temperature=0,
                                          extra_body={"speculation": {"enabled": False}})
-    assert off.usage.model_extra["speculation"] == {"drafter": "none", "drafted": 0, "accepted": 0, "acceptance": None}
+    assert off.usage.model_extra["speculation"] == {"drafter": "none", "drafted": 0, "accepted": 0, "tree_steps": 0,
+                                                    "acceptance": None}
     bad = httpx.post(url + "/v1/chat/completions", json={"messages": MSG, "speculation": {"drafter": "magic"}})
     assert bad.status_code == 400 and "speculation.drafter" in bad.json()["error"]["message"]
 

@@ -41,7 +41,7 @@ Endpoints: POST /v1/chat/completions, /v1/completions (OpenAI; streaming or not,
 POST /v1/messages, /v1/messages/count_tokens (Anthropic), POST /api/chat, /api/generate,
 /api/show, GET /api/tags, /api/ps, /api/version (Ollama), GET /v1/models, /health, /metrics
 (Prometheus), and the OpenAPI schema at /openapi.json (docs at /docs). Every request is
-speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2,
+speculated (per-request override: "speculation": {"drafter": "pld", "depth": 2, "tree": 8,
 "enabled": false}) and its drafted/accepted counts come back in usage. One generation runs at
 a time; up to --max-queue more wait, then 503 with Retry-After.
 

@@ -361,13 +361,13 @@ async def messages(body: MessagesBody, request: Request):
     server = request.app.state.server
     server.check_model(body.model)
     server.check_max_tokens(body.max_tokens)
-    drafter, depth = speculation_overrides(body.speculation, server.settings)
+    speculation = speculation_overrides(body.speculation, server.settings)
     _, omit_thinking = thinking_mode(body.thinking)
     points: list[int] = []
     ids, tools, in_reasoning = await server.prompts.run(_prompt_and_reasoning, server, body, points)
     generation = GenerationRequest(max_tokens=body.max_tokens, temperature=body.temperature,
                                    top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
-                                   drafter=drafter, depth=depth, checkpoints=points)
+                                   **speculation, checkpoints=points)
     gen = SurfaceRequest(prompt_ids=ids, generation=generation, stop=[s for s in body.stop_sequences or [] if s])
     outcome = Outcome()
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",

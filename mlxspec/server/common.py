@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from .. import reasoning
 from ..api import Chunk, GenerationRequest
 from ..engine.stats import Stats
-from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MIN_DEPTH
+from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MAX_TREE, MIN_DEPTH
 
 if TYPE_CHECKING:
     from ..engine.prefix_cache import PrefixCache
@@ -87,7 +87,7 @@ class Outcome:
 
     def speculation(self) -> dict:
         s = self.stats
-        return {"drafter": s.drafter, "drafted": s.drafted, "accepted": s.accepted,
+        return {"drafter": s.drafter, "drafted": s.drafted, "accepted": s.accepted, "tree_steps": s.tree_steps,
                 "acceptance": round(s.accepted / s.drafted, 4) if s.drafted else None}
 
     @property
@@ -96,33 +96,42 @@ class Outcome:
         return self.stats.cached_tokens
 
 
-def speculation_overrides(body: dict | None, settings: Settings) -> tuple[str, int | None]:
-    """The body's ``"speculation": {"drafter", "depth", "enabled"}`` over the server's defaults."""
-    drafter, depth = settings.drafter, settings.depth
+def speculation_overrides(body: dict | None, settings: Settings) -> dict:
+    """The body's ``"speculation": {"drafter", "depth", "tree", "enabled"}`` over the server's
+    defaults, as GenerationRequest keyword arguments (drafter, depth, tree)."""
+    out = {"drafter": settings.drafter, "depth": settings.depth, "tree": "default"}
     if body is None:
-        return drafter, depth
+        return out
     if not isinstance(body, dict):
         raise APIError(400, "speculation must be an object", param="speculation")
-    unknown = set(body) - {"drafter", "depth", "enabled"}
+    unknown = set(body) - {"drafter", "depth", "tree", "enabled"}
     if unknown:
         raise APIError(400, f"unknown speculation field(s): {', '.join(sorted(unknown))}", param="speculation")
     if "drafter" in body:
         if body["drafter"] not in DRAFTERS:
             raise APIError(400, f"speculation.drafter must be one of {', '.join(DRAFTERS)}",
                            param="speculation.drafter")
-        drafter = body["drafter"]
+        out["drafter"] = body["drafter"]
     if "depth" in body:
         d = body["depth"]
         if not isinstance(d, int) or isinstance(d, bool) or not MIN_DEPTH <= d <= MAX_DEPTH:
             raise APIError(400, f"speculation.depth must be an integer from {MIN_DEPTH} to {MAX_DEPTH}",
                            param="speculation.depth")
-        depth = d
+        out["depth"] = d
+    if "tree" in body:
+        t = body["tree"]
+        if t == "auto":
+            t = None
+        elif not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= MAX_TREE:
+            raise APIError(400, f'speculation.tree must be "auto" or a node count from 0 to {MAX_TREE}',
+                           param="speculation.tree")
+        out["tree"] = t
     if "enabled" in body:
         if not isinstance(body["enabled"], bool):
             raise APIError(400, "speculation.enabled must be true or false", param="speculation.enabled")
         if not body["enabled"]:
-            drafter = "none"
-    return drafter, depth
+            out["drafter"] = "none"
+    return out
 
 
 # apply_chat_template's own arguments: a request may not set them through chat_template_kwargs

@@ -169,9 +169,9 @@ def surface_request(server, body: _Body, prompt_ids: list[int], checkpoints: lis
                     fmt: ConstraintSpec | None) -> SurfaceRequest:
     """How to generate for BODY; FMT: its ``format`` as a constraint (see :func:`constraint`)."""
     values, stop = sampling(server, body.options)
-    drafter, depth = speculation_overrides(body.speculation, server.settings)
+    speculation = speculation_overrides(body.speculation, server.settings)
     try:
-        generation = GenerationRequest(**values, drafter=drafter, depth=depth, checkpoints=checkpoints,
+        generation = GenerationRequest(**values, **speculation, checkpoints=checkpoints,
                                        constraint=fmt,
                                        logprobs=chat_logprobs(body.logprobs, body.top_logprobs))
     except UsageError as err:

@@ -178,14 +178,14 @@ def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int 
     alternatives per token (None: off); CONSTRAINT: what the output must match."""
     max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
     server.check_max_tokens(max_tokens)
-    drafter, depth = speculation_overrides(body.speculation, server.settings)
+    speculation = speculation_overrides(body.speculation, server.settings)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
         raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
     try:
         generation = GenerationRequest(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                       top_k=body.top_k, min_p=body.min_p, seed=body.seed, drafter=drafter,
-                                       depth=depth, checkpoints=checkpoints, logprobs=logprobs, constraint=constraint)
+                                       top_k=body.top_k, min_p=body.min_p, seed=body.seed, **speculation,
+                                       checkpoints=checkpoints, logprobs=logprobs, constraint=constraint)
     except UsageError as err:
         raise APIError(400, str(err)) from None
     return SurfaceRequest(prompt_ids=prompt_ids, generation=generation, stop=stop)
