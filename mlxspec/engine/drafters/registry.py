@@ -30,18 +30,21 @@ def resolve_drafter(name: str, draft_model: nn.Module | None, mtp_head: MTPHead 
     return name
 
 
+MODEL_KINDS = {"draft": "a draft model", "assistant": "a Gemma-4 assistant", "dflash": "a DFlash drafter"}
+
+
 def check_drafter(name: str, draft_model: nn.Module | None) -> None:
-    """UsageError when the drafter NAME (resolved) cannot run with DRAFT_MODEL's kind: before
-    anything is timed or loaded for it."""
-    kinds = {"draft": "a draft model", "assistant": "a Gemma-4 assistant", "dflash": "a DFlash drafter"}
-    if name not in kinds:
+    """UsageError when the drafter NAME (resolved) cannot run with DRAFT_MODEL's kind: the one
+    check, made before anything is timed or built for it."""
+    if name not in MODEL_KINDS:
         return
     kind = ("assistant" if isinstance(draft_model, Gemma4Assistant) else
             "dflash" if isinstance(draft_model, DFlashDraftModel) else "draft" if draft_model is not None else None)
     if kind is None:
-        raise UsageError(f"--drafter {name} needs --draft-model pointing at {kinds[name]}")
+        raise UsageError(f"--drafter {name} needs --draft-model pointing at {MODEL_KINDS[name]}")
     if kind != name:
-        raise UsageError(f"the draft model is {kinds[kind]}: use --drafter {kind} (or auto), not {name}")
+        raise UsageError(f"the draft model is {MODEL_KINDS[kind]}: use --drafter {kind} (or auto); "
+                         f"--drafter {name} needs {MODEL_KINDS[name]}")
 
 
 def make_drafter(
@@ -51,25 +54,16 @@ def make_drafter(
     """The drafter NAME resolves to (:func:`resolve_drafter`); ``cost_per_token``, a measured
     cost of one draft step, replaces the drafter's own estimate."""
     name = resolve_drafter(name, draft_model, mtp_head)
+    check_drafter(name, draft_model)
     if name == "none":
         return None
     if name == "pld":
         return PromptLookupDrafter(cost_per_token=cost_per_token)
     if name == "draft":
-        if draft_model is None:
-            raise UsageError("--drafter draft needs --draft-model")
-        if isinstance(draft_model, Gemma4Assistant):
-            raise UsageError("the draft model is a Gemma-4 assistant: use --drafter assistant (or auto)")
-        if isinstance(draft_model, DFlashDraftModel):
-            raise UsageError("the draft model is a DFlash drafter: use --drafter dflash (or auto)")
         return DraftModelDrafter(draft_model, model_nbytes(target), cost_per_token)
     if name == "dflash":
-        if not isinstance(draft_model, DFlashDraftModel):
-            raise UsageError("--drafter dflash needs --draft-model pointing at a DFlash drafter checkpoint")
         return DFlashDrafter(draft_model, target, model_nbytes(target), cost_per_token)
     if name == "assistant":
-        if not isinstance(draft_model, Gemma4Assistant):
-            raise UsageError("--drafter assistant needs --draft-model pointing at a Gemma-4 assistant checkpoint")
         return AssistantDrafter(draft_model, target, model_nbytes(target), cost_per_token)
     if name == "mtp":
         if mtp_head is None:
