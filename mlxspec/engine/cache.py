@@ -192,23 +192,17 @@ class ModelState:
         """Feed tokens with no logits wanted, in chunks, evaluating the cache as mlx-lm does.
 
         With ``keep_hidden`` returns their hidden states (n, H)."""
+        keep = self._trunk is not None or self._capture is not None
         hidden = []
         for i in range(0, len(tokens), step):
-            chunk = mx.array(tokens[i : i + step], mx.uint32)
-            if self._capture is not None:
-                self.model(chunk[None], cache=self.cache)
-                hidden.append(self._capture.take())
-                mx.eval([c.state for c in self.cache], hidden[-1])
-            elif self._trunk is None:
-                self.model(chunk[None], cache=self.cache)
-                mx.eval([c.state for c in self.cache])
-            else:
-                hidden.append(self._trunk.body(chunk[None], cache=self.cache)[0])
-                mx.eval([c.state for c in self.cache], hidden[-1])
-            self.length += len(chunk)
+            self.feed(mx.array(tokens[i : i + step], mx.uint32))  # its logits are never evaluated
+            if keep:
+                hidden.append(self.hidden)
+            mx.eval([c.state for c in self.cache], hidden[-1:])
+            self.length += min(step, len(tokens) - i)
             mx.clear_cache()
         self._segments.clear()
-        if self._trunk is None and self._capture is None:
+        if not keep:
             return None
         return mx.concatenate(hidden) if hidden else None
 
