@@ -23,7 +23,6 @@ from .units import human_bytes
 
 MTP_PATTERNS = ["mtp.safetensors", "mtp/*.safetensors", "model-mtp.safetensors"]
 DEFAULT_ENDPOINT = "https://huggingface.co"
-DFLASH_ARCHITECTURE = "DFlashDraftModel"  # models.dflash.ARCHITECTURE, read here without importing mlx
 
 
 class HubError(MlxspecError):
@@ -174,11 +173,12 @@ def _progress_class(on_total: Callable[[int], None], on_bytes: Callable[[int], N
 def drafter_kind(config: dict | None) -> str | None:
     """"dflash" or "assistant" for the config.json of a drafter-only checkpoint (mlxspec loads
     it itself, beside its target), None for a model; config alone, no mlx import."""
+    from .models.dflash_config import is_dflash_config
     from .models.gemma4_pairs import is_assistant_config
 
     if not isinstance(config, dict):
         return None
-    if DFLASH_ARCHITECTURE in (config.get("architectures") or []) or isinstance(config.get("dflash_config"), dict):
+    if is_dflash_config(config):
         return "dflash"
     return "assistant" if is_assistant_config(config) else None
 

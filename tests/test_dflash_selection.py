@@ -182,7 +182,7 @@ def test_list_marks_the_drafter(cache):
 
 
 def test_the_config_check_agrees_with_the_loader(pair):
-    from mlxspec.models.dflash import is_dflash_config
+    from mlxspec.models.dflash_config import is_dflash_config
 
     _, drafter = pair
     configs = [json.loads((drafter / "config.json").read_text()), {"model_type": "qwen3"},

@@ -30,9 +30,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import InvalidCheckpointError
 
-ARCHITECTURE = "DFlashDraftModel"
-NAME_MARK = "dflash"  # z-lab/Qwen3-8B-DFlash-b16: a drafter found beside its target by name
-
 
 @dataclass
 class DFlashArgs:
@@ -96,19 +93,6 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-def is_dflash_config(cfg: dict) -> bool:
-    archs = cfg.get("architectures") or []
-    return ARCHITECTURE in archs or isinstance(cfg.get("dflash_config"), dict)
-
-
-def is_dflash_folder(path: Path) -> bool:
-    try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and is_dflash_config(cfg)
 
 
 class MLP(nn.Module):

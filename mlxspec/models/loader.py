@@ -230,7 +230,7 @@ def load_model(ref: str | None) -> LoadedModel:
 
         model, config = load_assistant(path, name)  # the tokenizer is its target's
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
-    from .dflash import is_dflash_folder
+    from .dflash_config import is_dflash_folder
 
     if is_dflash_folder(path):  # a DFlash block drafter: borrows the target's embedding and head
         from .dflash import load_dflash
