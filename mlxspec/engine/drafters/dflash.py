@@ -126,8 +126,10 @@ class DFlashDrafter(Drafter):
 
     # -- drafting ------------------------------------------------------------------
     def block_logits(self, tokens: list[int], k: int) -> mx.array | None:
-        """Logits (k, V) of block positions 1..k after ``tokens`` (its last one not fed to the
-        target yet), or None while the context lags (no features yet for some position)."""
+        """Logits (k, V) of block positions 1..k (k at most the block less one) after ``tokens``
+        (its last one not fed to the target yet), or None while the context lags (no features
+        yet for some position)."""
+        k = min(k, self.block - 1)
         last = len(tokens) - 1
         rows = self._pending()
         have = self.position + (0 if rows is None else rows.shape[0])
@@ -139,14 +141,13 @@ class DFlashDrafter(Drafter):
         return self.head(h[:, 1 : k + 1])[0]
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
-        k = min(k, self.block - 1)
         logits = self.block_logits(tokens, k)
         if logits is None:
             return None
         if type(sampling) is SamplingParams:  # every position at once, each from its own q_i
             drafted, lp = sampling.sample_with_logprobs(logits)
         else:  # a chain sampler (constraint masks follow the drafts): one row at a time
-            pairs = [sampling.sample_with_logprobs(logits[i : i + 1]) for i in range(k)]
+            pairs = [sampling.sample_with_logprobs(logits[i : i + 1]) for i in range(logits.shape[0])]
             drafted = mx.concatenate([t.reshape(-1) for t, _ in pairs])
             lp = mx.concatenate([p for _, p in pairs])
         return Draft(drafted.astype(mx.uint32), None if sampling.greedy else lp, rows=lp)
@@ -156,7 +157,6 @@ class DFlashDrafter(Drafter):
         tokens before position i, so every prefix's children come from the same row):
         top-k children best-first at temperature 0 (DDTree), children drawn i.i.d. from q_i
         above it (checked with SpecInfer's rule)."""
-        k = min(k, self.block - 1)
         logits = self.block_logits(tokens, k)
         if logits is None:
             return None
