@@ -29,10 +29,9 @@ def _capturing_class(cls: type) -> type:
 
 
 def decoder_layers(model: nn.Module) -> list:
-    """The target's decoder layers (qwen3_5 and multimodal models wrap a text model)."""
-    lm = getattr(model, "language_model", model)
-    body = getattr(lm, "model", None)
-    layers = getattr(body, "layers", None)
+    """The target's decoder layers: mlx-lm's ``Model.layers`` (which reaches through the text
+    model a qwen3_5 or multimodal model wraps), as gdn_tape and tree_attention read them."""
+    layers = getattr(model, "layers", None)
     if not isinstance(layers, list) or not layers:
         raise DrafterError(f"cannot find the decoder layers of a {type(model).__module__} model")
     return layers
