@@ -371,8 +371,9 @@ class SpecModel:
             draft_cost = stored_draft_cost(self.target, name, self.draft)
             if draft_cost is None and name in (*MODEL_DRAFTERS, "mtp"):
                 draft_cost = self.draft_cost(name, request.on_status)
-        if cost is not None and cost.tree_factor is None and request.tree != 0 and (
-                name == "dflash" or request.tree not in (None, "default")):
+        # trees may run: asked for (a node count, or None: auto), or DFlash's default (auto)
+        trees = request.tree != 0 and (request.tree != "default" or name == "dflash")
+        if cost is not None and cost.tree_factor is None and trees and name != "none":
             self._measure_tree_factor(cost, request.on_status)
         return SpeculativeDecoder(
             self.target.model,
