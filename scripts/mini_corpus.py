@@ -112,6 +112,18 @@ def split_code(code: list, max_train_mb: float, edit_fraction: float, rng: rando
     return kept, held, edits
 
 
+def encode_documents(tok, texts: list[str], eos: int, path: Path) -> np.ndarray:
+    """TEXTS tokenized (no special tokens), each followed by EOS, written to PATH as uint16."""
+    ids: list[int] = []
+    for i in range(0, len(texts), 2048):
+        for enc in tok.encode_batch(texts[i : i + 2048], add_special_tokens=False):
+            ids.extend(enc.ids)
+            ids.append(eos)
+    arr = np.asarray(ids, dtype=np.uint16)
+    arr.tofile(path)
+    return arr
+
+
 def build(work: Path, vocab_size: int, max_train_mb: float, edit_fraction: float, seed: int) -> dict:
     """Collect, split, train the tokenizer, tokenize: writes WORK/{tokenizer,train.bin,heldout.bin,...}."""
     from tokenizers import Tokenizer
@@ -128,20 +140,10 @@ def build(work: Path, vocab_size: int, max_train_mb: float, edit_fraction: float
     tok = Tokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
     eos = tok.token_to_id(PAD_TOKEN)  # <|endoftext|> separates documents, as in Qwen pretraining
 
-    def encode(texts: list[str], path: Path) -> int:
-        ids: list[int] = []
-        for i in range(0, len(texts), 2048):
-            for enc in tok.encode_batch(texts[i : i + 2048], add_special_tokens=False):
-                ids.extend(enc.ids)
-                ids.append(eos)
-        arr = np.asarray(ids, dtype=np.uint16)
-        arr.tofile(path)
-        return len(arr)
-
     docs = [t for _, _, t in kept] + edits
     rng.shuffle(docs)
-    n_train = encode(docs, work / "train.bin")
-    n_held = encode([t for _, _, t in held], work / "heldout.bin")
+    n_train = len(encode_documents(tok, docs, eos, work / "train.bin"))
+    n_held = len(encode_documents(tok, [t for _, _, t in held], eos, work / "heldout.bin"))
     manifest = {
         "roots": [str(r) for r in roots], "python": sys.version.split()[0],
         "code_files": len(code), "prose_files": len(prose), "train_files_used": len(kept),

@@ -91,20 +91,10 @@ def prep(work: Path, tokenizer_dir: Path, max_train_mb: float, edit_fraction: fl
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     eos = tok.token_to_id(PAD_TOKEN)
 
-    def encode(texts: list[str], path: Path) -> np.ndarray:
-        ids: list[int] = []
-        for i in range(0, len(texts), 2048):
-            for enc in tok.encode_batch(texts[i: i + 2048], add_special_tokens=False):
-                ids.extend(enc.ids)
-                ids.append(eos)
-        arr = np.asarray(ids, dtype=np.uint16)
-        arr.tofile(path)
-        return arr
-
     docs = [t for _, _, t in kept] + edits
     rng.shuffle(docs)
-    train_ids = encode(docs, work / "train.bin")
-    held_ids = encode([t for _, _, t in held], work / "heldout.bin")
+    train_ids = mini_corpus.encode_documents(tok, docs, eos, work / "train.bin")
+    held_ids = mini_corpus.encode_documents(tok, [t for _, _, t in held], eos, work / "heldout.bin")
     manifest = {"roots": [str(r) for r in roots], "python": sys.version.split()[0], "code_files": len(code),
                 "train_files_used": len(kept), "edit_documents": len(edits), "heldout_files": len(held),
                 "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(held_ids)),

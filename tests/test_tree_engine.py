@@ -9,10 +9,10 @@ from mlx_lm.generate import generate_step
 
 import tiny
 import tiny_dflash
+from mini_workloads import run_decoder
 from mlxspec.engine.drafters.draft_model import DraftModelDrafter
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.gates import CostModel
-from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.engine.tree import DraftTree
 from mlxspec.engine.tree_step import TreeOutcome, TreePolicy, chain_accepted
 from mlxspec.models.loader import load_model
@@ -29,11 +29,7 @@ def greedy(model, prompt, n=N_TOKENS):
 
 
 def run(model, prompt, n=N_TOKENS, **kw):
-    dec = SpeculativeDecoder(model, gates=False, **kw)
-    out, stats = [], None
-    for toks, stats in dec.generate(prompt, max_tokens=n):
-        out.extend(toks)
-    return out, stats
+    return run_decoder(model, prompt, n, **kw)
 
 
 @pytest.fixture(scope="module")
