@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 
 from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
+from .engine.penalties import Penalties
 from .engine.prefix_cache import PrefixCache
 from .engine.sampling import SamplingParams
 from .engine.speculate import SpeculativeDecoder
@@ -23,6 +24,7 @@ from .models.loader import LoadedModel, load_model
 from .options import (
     API_DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
+    DEFAULT_PENALTY_WINDOW,
     DEFAULT_PROMPT_CACHE_BYTES,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
@@ -49,6 +51,15 @@ class GenerationRequest:
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
     seed: int | None = None
+    # penalties over the last penalty_window tokens of prompt + output (mlx-lm's processors):
+    # repetition (multiplicative, 1 or None off), presence and frequency (additive, OpenAI's
+    # meaning and range); logit_bias: token id -> added to its logit. All shape the
+    # distribution the target samples from, so speculation stays exact under them.
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_window: int = DEFAULT_PENALTY_WINDOW
+    logit_bias: dict[int, float] | None = None
     # logprobs: None off, 0 the chosen token's log-probability, n (<= 20) also the top n
     # alternatives (Chunk.logprobs / Result.logprobs); constraint: what the output must match
     # (JSON, a JSON schema, a regex, a grammar), enforced on every token, speculation on or off
@@ -88,6 +99,9 @@ class GenerationRequest:
         check_values({"max_tokens": self.max_tokens})
         self.sampling.validate()
         check_values({"depth": self.depth, "logprobs": self.logprobs})
+        check_values({"repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                      "frequency_penalty": self.frequency_penalty, "penalty_window": self.penalty_window,
+                      "logit_bias": self.logit_bias})
         if self.tree not in (None, "default") and not (isinstance(self.tree, int) and 0 <= self.tree <= MAX_TREE):
             raise UsageError(f"tree must be a node count from 0 to {MAX_TREE}, or auto (got {self.tree!r})")
         if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
@@ -96,6 +110,11 @@ class GenerationRequest:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty, self.penalty_window,
+                         tuple(sorted((self.logit_bias or {}).items())))
 
 
 @dataclass
@@ -330,6 +349,11 @@ class SpecModel:
             checkpoints = self.reuse_points(prompt, prompt_ids, system=r.system, raw=r.raw, tools=r.tools,
                                             template_kwargs=r.template_kwargs)
         constraint = self.constraint(r.constraint) if r.constraint is not None else None
+        penalties = r.penalties
+        try:
+            penalties.check_vocabulary(self.target.vocab_size)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
         logprobs: list[TokenLogprob] | None = [] if r.logprobs is not None else None
         yield from self._text_chunks(self._decoder(r).generate(
             prompt_ids,
@@ -344,6 +368,7 @@ class SpecModel:
             constraint=constraint,
             logprobs=r.logprobs,
             on_logprobs=logprobs.extend if logprobs is not None else None,
+            penalties=penalties,
         ), logprobs)
 
     def _decoder(self, request: GenerationRequest) -> SpeculativeDecoder:

@@ -55,6 +55,11 @@ DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SI
 # which its clients expect (the OpenAI surface's are OpenAI's)
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0}
 
+# penalties (mlx-lm's processors, mlx_lm.sample_utils.make_logits_processors): each counts the
+# tokens among the last PENALTY_WINDOW of prompt + output, as mlx-lm's own server does
+DEFAULT_PENALTY_WINDOW = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
+
 # log-probabilities per generated token: None off, 0 the chosen token's, n also the top n
 # alternatives (OpenAI's top_logprobs limit)
 MAX_TOP_LOGPROBS = 20
@@ -90,6 +95,14 @@ LIMITS = {
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
     "logprobs": (lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}"),
+    # 1 (or None) is off; > 1 makes a repeated token less likely (multiplicative, sign-aware)
+    "repetition_penalty": (lambda v: v > 0, "more than 0 (1 is off)"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "between -2 and 2"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "between -2 and 2"),
+    "penalty_window": (lambda v: v >= 1, "at least 1"),
+    "logit_bias": (lambda v: all(isinstance(t, int) and t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
+                                 for t, b in v.items()),
+                   f"a map of token ids (0 or more) to biases between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"),
 }
 
 

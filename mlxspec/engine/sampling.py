@@ -10,7 +10,7 @@ array per verify step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -25,16 +25,45 @@ from ..options import (
 )
 
 
+class RandomKeys:
+    """One request's random stream: every draw gets a key split off it, so no request touches
+    MLX's global generator (a seeded request would otherwise make the unseeded ones after it
+    repeat, and two at once would interleave). Seeded: reproducible from SEED alone; unseeded:
+    the first key is drawn from the global generator (random per process, and what a caller's
+    ``mx.random.seed`` fixes)."""
+
+    def __init__(self, seed: int | None = None):
+        if seed is not None:
+            self.key = mx.random.key(seed)
+        else:
+            self.key = mx.random.randint(0, 2**31 - 1, shape=(2,)).astype(mx.uint32)
+
+    def draw(self) -> mx.array:
+        """A fresh key for one draw (lazy: nothing is evaluated here)."""
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     top_k: int = DEFAULT_TOP_K
     min_p: float = DEFAULT_MIN_P
+    # the request's random stream (None: MLX's global generator); not part of the value
+    keys: RandomKeys | None = field(default=None, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE  # a vanishing one too (see options)
+
+    def for_request(self, seed: int | None) -> SamplingParams:
+        """These parameters with a random stream of their own (see RandomKeys)."""
+        return replace(self, keys=RandomKeys(seed))
+
+    def draw_key(self) -> mx.array | None:
+        """The key for the next draw (None: the global generator; or greedy, which draws nothing)."""
+        return self.keys.draw() if self.keys is not None and not self.greedy else None
 
     def validate(self) -> None:
         """UsageError for a value out of range (mlxspec.options holds the limits)."""
@@ -65,12 +94,12 @@ class SamplingParams:
         lp = self.logprobs(logits)
         if self.greedy:
             return mx.argmax(lp, axis=-1)
-        return mx.random.categorical(lp)
+        return mx.random.categorical(lp, key=self.draw_key())
 
     def sample_with_logprobs(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         """Sampled tokens and the processed log-probabilities they were drawn from (for q)."""
         lp = self.logprobs(logits)
-        tok = mx.argmax(lp, axis=-1) if self.greedy else mx.random.categorical(lp)
+        tok = mx.argmax(lp, axis=-1) if self.greedy else mx.random.categorical(lp, key=self.draw_key())
         return tok, lp
 
 
@@ -91,7 +120,7 @@ def accept_greedy(target_logprobs: mx.array, draft: mx.array) -> tuple[mx.array,
 
 def accept_sampled(
     target_logprobs: mx.array, draft: mx.array, draft_logprobs: mx.array | None,
-    cut_logprobs: mx.array | None = None,
+    cut_logprobs: mx.array | None = None, key: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Leviathan/Chen speculative sampling, exact in distribution.
 
@@ -103,15 +132,18 @@ def accept_sampled(
     (outside a constraint, so p_k gives it 0 and it would be rejected for sure): the token
     after a fully accepted DRAFT is then drawn from that rejection's residual instead of p_k.
 
+    ``key``: the draws' key (None: MLX's global generator).
+
     Returns (n_accepted, tokens) with ``tokens[n]`` the token that follows the accepted prefix.
     """
+    k_u, k_c, k_b = mx.random.split(key, 3) if key is not None else (None, None, None)
     k = draft.shape[0]
     p = mx.exp(target_logprobs)
     last = target_logprobs[k:]
     if cut_logprobs is not None:
         last = _residual_logprobs(p[k:], mx.exp(cut_logprobs))
     if k == 0:
-        return mx.array(0), mx.random.categorical(last)
+        return mx.array(0), mx.random.categorical(last, key=k_b)
     p_draft = p[:k]
     px = mx.take_along_axis(p_draft, draft[:, None], axis=-1)[:, 0]
     if draft_logprobs is None:
@@ -122,14 +154,14 @@ def accept_sampled(
         qx = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
         ratio = px / mx.maximum(qx, 1e-30)
         residual = mx.maximum(p_draft - q, 0.0)
-    u = mx.random.uniform(shape=(k,))
+    u = mx.random.uniform(shape=(k,), key=k_u)
     n = _leading_true(u < ratio)
     # A residual of all zeros happens only where p == q, where a reject has probability 0;
     # fall back to p there so the (unused) draw stays well defined.
     has_mass = residual.sum(axis=-1, keepdims=True) > 0
     residual = mx.where(has_mass, residual, p_draft)
-    corrections = mx.random.categorical(mx.log(residual))
-    bonus = mx.random.categorical(last)
+    corrections = mx.random.categorical(mx.log(residual), key=k_c)
+    bonus = mx.random.categorical(last, key=k_b)
     return n, mx.concatenate([corrections, bonus])
 
 
@@ -154,4 +186,4 @@ def accept(
         if draft.shape[0] == 0:
             return mx.array(0), mx.argmax(target_logprobs, axis=-1)
         return accept_greedy(target_logprobs, draft)
-    return accept_sampled(target_logprobs, draft, draft_logprobs, cut_logprobs)
+    return accept_sampled(target_logprobs, draft, draft_logprobs, cut_logprobs, key=params.draw_key())

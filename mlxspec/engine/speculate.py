@@ -26,6 +26,7 @@ from .drafters.pld import repetition_score
 from .drafters.registry import make_drafter
 from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
 from .logprobs import TokenLogprob, token_logprobs
+from .penalties import Penalties
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
@@ -98,6 +99,7 @@ class SpeculativeDecoder:
         constraint: TokenConstraint | None = None,
         logprobs: int | None = None,
         on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+        penalties: Penalties | None = None,
     ) -> Iterator[tuple[list[int], Stats]]:
         """Yield (new tokens, running stats) as tokens are committed.
 
@@ -109,19 +111,23 @@ class SpeculativeDecoder:
 
         ``constraint``: every sampled row is masked to its language (plain and verify rows
         alike), drafts are cut where they leave it. ``logprobs`` (0..20, None off): before each
-        yield, ``on_logprobs`` gets one TokenLogprob per yielded token."""
+        yield, ``on_logprobs`` gets one TokenLogprob per yielded token. ``penalties``: mlx-lm's
+        logits processors on every target row, each after its own history (penalties.py).
+
+        ``seed``: the request's random stream starts from it (None: a fresh one); MLX's global
+        generator is never reseeded."""
         if not prompt:
             raise UsageError("the prompt is empty")
         if prefill_step < 1:
             raise UsageError(f"prefill_step must be at least 1 (got {prefill_step})")
-        if seed is not None:
-            mx.random.seed(seed)
+        sampling = sampling.for_request(seed)  # its own random stream: no global seed
         run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens), prefix_cache=prefix_cache,
                    checkpoints=checkpoints, prefill_step=prefill_step, on_prefill=on_prefill)
         run.constraint, run.top_logprobs, run.on_logprobs = constraint, logprobs, on_logprobs
-        if constraint is not None or logprobs is not None:
-            # each row is read on the host (its mask follows the token before it): no queued
-            # plain step or verify
+        run.penalties = penalties if penalties is not None and penalties.active else None
+        if run._reads_rows:
+            # each row follows the tokens before it on the host (its mask, its penalties): no
+            # queued plain step or verify
             run.ahead = None
         with wired_limit(self.model, [generation_stream]), mx.stream(generation_stream):
             yield from run.loop()
@@ -179,6 +185,7 @@ class _Run:
         self.top_logprobs: int | None = None  # None: no logprobs
         self.on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
         self.step_logprobs: list[TokenLogprob] = []
+        self.penalties: Penalties | None = None  # None: none active
 
     # -- output -----------------------------------------------------------------
     def _emit(self, new: list[int]) -> list[int]:
@@ -297,8 +304,16 @@ class _Run:
 
     @property
     def _reads_rows(self) -> bool:
-        """Whether each step's rows are read on the host (constraint masks, logprobs)."""
-        return self.constraint is not None or self.top_logprobs is not None
+        """Whether each step's rows need the host's tokens before them or are read there
+        (constraint masks, penalties, logprobs): such steps are not queued ahead."""
+        return self.constraint is not None or self.top_logprobs is not None or self.penalties is not None
+
+    def _process(self, logits: mx.array, drafts: list[int], masks: mx.array | None = None) -> mx.array:
+        """The target's LOGITS (rows after the committed tokens and DRAFTS[:i]) as plain decoding
+        samples them: penalties and bias, then the constraint's masks."""
+        if self.penalties is not None:
+            logits = self.penalties.apply(self.tokens, drafts, logits)
+        return logits if masks is None else apply_mask(logits, masks)
 
     def _commit_rows(self, new: list[int], logits: mx.array) -> None:
         """NEW tokens were sampled from LOGITS' rows (masked): advance the constraint and keep
@@ -309,12 +324,11 @@ class _Run:
             self.step_logprobs = token_logprobs(logits[: len(new)], new, self.top_logprobs)
 
     def _read_plain_token(self) -> int:
-        """A plain step whose row is read: masked, sampled, its logprobs kept; not pipelined
-        (the next row's mask needs this token)."""
+        """A plain step whose row is read: processed, sampled, its logprobs kept; not pipelined
+        (the next row's mask and penalties need this token)."""
         logits = self.target.forward(mx.array(self.tokens[-1:], mx.uint32), rollback=False)[-1:]
         self._pass_hidden(self.target.hidden)
-        if self.constraint is not None:
-            logits = apply_mask(logits, self.constraint.masks([])[1])
+        logits = self._process(logits, [], self.constraint.masks([])[1] if self.constraint is not None else None)
         t = self.sampling.sample(logits).item()
         self._commit_rows([t], logits)
         return t
@@ -352,7 +366,7 @@ class _Run:
 
     def _tree(self, k: int) -> list[int] | None:
         """A tree step when the policy says one pays (see tree_step.py); None: draft a chain."""
-        if self.trees is None or self._reads_rows:  # constraint masks and logprobs follow chains
+        if self.trees is None or self._reads_rows:  # masks, penalties and logprobs follow chains
             return None
         d = self.drafter
         budget = self.trees.budget(k, self.gate.model.expected_tokens(k), d.cost_per_step + k * d.cost_per_token)
@@ -423,7 +437,7 @@ class _Run:
         if self.constraint is None or not self.drafter.uses_model:
             return self.sampling
         s = self.sampling
-        return MaskedChainSampling(s.temperature, s.top_p, s.top_k, s.min_p, constraint=self.constraint)
+        return MaskedChainSampling(s.temperature, s.top_p, s.top_k, s.min_p, s.keys, constraint=self.constraint)
 
     def _cut_draft(self, draft: Draft) -> tuple[Draft, mx.array, mx.array | None]:
         """DRAFT cut at its first token outside the constraint's language, the masks of the
@@ -443,13 +457,12 @@ class _Run:
         if self.constraint is not None:
             draft, masks, cut_q = self._cut_draft(draft)
         k = len(draft)
+        host_drafts = (draft.host if draft.host is not None else draft.tokens.tolist()) if self.penalties else []
         start = len(self.tokens) - 1  # committed in the cache (a queued verify may follow)
         logprobs = self._settle_guess(draft)
         if logprobs is None:
             inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
-            logits = self.target.forward(inputs)
-            if masks is not None:
-                logits = apply_mask(logits, masks)
+            logits = self._process(self.target.forward(inputs), host_drafts, masks)
             logprobs = self.sampling.logprobs(logits)
         args = (self.sampling, logprobs, draft.tokens, draft.logprobs)
         n_acc, out = accept(*args) if cut_q is None else accept(*args, cut_q)

@@ -117,7 +117,7 @@ def tree_step(run, tree: DraftTree) -> TreeOutcome:
     target = run.target
     start = len(run.tokens) - 1  # committed in the cache; tokens[-1] is the tree's root
     logits = tree_forward(target, tree.inputs(run.tokens[-1]), tree.parents_with_root())
-    path, nxt = walk(tree, run.sampling.logprobs(logits), run.sampling)
+    path, nxt = walk(tree, run.sampling.logprobs(logits), run.sampling, key=run.sampling.draw_key())
     n = len(path) - 1
     if run.hidden_to_drafter:  # rows of the kept path, in order, before the cache is compacted
         run.drafter.add_hidden(target.hidden[mx.array(path)])

@@ -160,4 +160,5 @@ class DFlashDrafter(Drafter):
         logits = self.block_logits(tokens, k)
         if logits is None:
             return None
-        return tree_from_marginals(sampling.logprobs(logits), budget, sampled=not sampling.greedy)
+        return tree_from_marginals(sampling.logprobs(logits), budget, sampled=not sampling.greedy,
+                                   key=sampling.draw_key())
