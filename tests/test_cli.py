@@ -251,12 +251,14 @@ def test_one_argument_is_a_prompt_unless_it_names_a_model(fake_load, tiny_llama)
 def test_options_reach_the_api(fake_load):
     args = ["run", "m", "p", "--drafter", "pld", "--depth", "3", "--temp", "0.7", "--top-p", "0.9",
             "--top-k", "5", "--min-p", "0.1", "--seed", "7", "--max-tokens", "9", "--system", "be brief",
-            "--raw"]
+            "--raw", "--repetition-penalty", "1.2", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+            "--penalty-window", "64"]
     result = CliRunner().invoke(cli.app, args)
     assert result.exit_code == 0, result.output
     assert fake_load[-1].calls[0] == ("p", dict(
         max_tokens=9, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=7, drafter="pld",
-        depth=3, system="be brief", raw=True, template_kwargs={}, reuse=False))
+        depth=3, system="be brief", raw=True, template_kwargs={}, reuse=False, repetition_penalty=1.2,
+        presence_penalty=0.5, frequency_penalty=-0.5, penalty_window=64))
 
 
 @pytest.mark.parametrize("flags, fragment", [
@@ -268,6 +270,10 @@ def test_options_reach_the_api(fake_load):
     (["--depth", "0"], "--depth"),
     (["--depth", "17"], "--depth"),
     (["--max-tokens", "0"], "--max-tokens"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--presence-penalty", "2.5"], "--presence-penalty"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty"),
+    (["--penalty-window", "0"], "--penalty-window"),
     (["--drafter", "magic"], "unknown drafter"),
     (["--drafter", "draft"], "--draft-model"),
 ])

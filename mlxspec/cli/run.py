@@ -14,6 +14,7 @@ from ..options import (
     DEFAULT_MAX_DEPTH,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
+    DEFAULT_PENALTY_WINDOW,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
@@ -48,7 +49,9 @@ from .console import (
 
 # what the flags are called in error messages
 FLAG_LABELS = {"depth": "--depth", "temperature": FLAGS["temperature"][0], "top_p": "--top-p", "top_k": "--top-k",
-               "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0]}
+               "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0], "repetition_penalty": "--repetition-penalty",
+               "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+               "penalty_window": "--penalty-window"}
 # starts of a MODEL argument that is never a prompt: paths and GGUF store names
 MODEL_LIKE = ("/", "./", "../", "~", "ollama:", "lmstudio:")
 # a Hugging Face repo id, org/name: a lone argument like this is a model, never a prompt
@@ -264,6 +267,18 @@ TopKOption = Annotated[Optional[int], typer.Option(
 MinPOption = Annotated[Optional[float], typer.Option(
     help="Drop tokens less likely than MIN_P times the top token's probability; 0 is off. "
          + _default(f"{DEFAULT_MIN_P}, or $MLXSPEC_MIN_P / config"), show_default=False)]
+RepetitionPenaltyOption = Annotated[Optional[float], typer.Option(
+    help="Make tokens seen in the last --penalty-window tokens less likely (multiplicative, as mlx-lm's); "
+         "1 is off. " + _default("off"), show_default=False)]
+PresencePenaltyOption = Annotated[float, typer.Option(
+    help="Subtract this from the logit of every token seen in the last --penalty-window tokens, -2 to 2 "
+         "(OpenAI's presence_penalty).")]
+FrequencyPenaltyOption = Annotated[float, typer.Option(
+    help="Subtract this from a token's logit once per time it appears in the last --penalty-window tokens, "
+         "-2 to 2 (OpenAI's frequency_penalty).")]
+PenaltyWindowOption = Annotated[int, typer.Option(
+    help="How many of the last tokens (prompt and answer) the penalties count. Speculation stays exact "
+         "under every penalty.")]
 SeedOption = Annotated[Optional[int], typer.Option(
     help="Random seed for reproducible sampling (temperature > 0). " + _default("none"), show_default=False)]
 MaxTokensOption = Annotated[Optional[int], typer.Option(
@@ -313,6 +328,10 @@ def run(
     top_k: TopKOption = None,
     min_p: MinPOption = None,
     seed: SeedOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    presence_penalty: PresencePenaltyOption = 0.0,
+    frequency_penalty: FrequencyPenaltyOption = 0.0,
+    penalty_window: PenaltyWindowOption = DEFAULT_PENALTY_WINDOW,
     max_tokens: MaxTokensOption = None,
     system: SystemOption = None,
     raw: RawOption = False,
@@ -332,6 +351,9 @@ def run(
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                               max_tokens=max_tokens, preset=preset, reasoning=reasoning))
         _check_flags(given, draft_model, depth)
+        penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty, penalty_window=penalty_window)
+        check_values(penalties, FLAG_LABELS)
         tree_nodes = parse_tree(tree)
         model, prompt = _model_option(model_option, model, prompt)
         model, prompt = _split_positionals(_aliased_model(model, yes), prompt)
@@ -354,7 +376,7 @@ def run(
         request = GenerationRequest(
             max_tokens=given["max_tokens"], temperature=given["temp"], top_p=given["top_p"], top_k=given["top_k"],
             min_p=given["min_p"], seed=seed, drafter=drafter, depth=depth, tree=tree_nodes,
-            system=system, raw=raw,
+            system=system, raw=raw, **penalties,
             template_kwargs=template_kwargs(_reasoning(given["reasoning"], constraint, reasoning)),
             on_note=_once(print_note),
             # only a chat has a next turn: a one-shot run keeps no snapshot (memory)
