@@ -229,6 +229,7 @@ def load_model(ref: str | None) -> LoadedModel:
         from .gemma4_assistant import load_assistant
 
         model, config = load_assistant(path, name)  # the tokenizer is its target's
+        evaluate_all(model)
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     from .dflash_config import is_dflash_folder
 
@@ -236,6 +237,7 @@ def load_model(ref: str | None) -> LoadedModel:
         from .dflash import load_dflash
 
         model, config = load_dflash(path, name)
+        evaluate_all(model)
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     check_checkpoint(path, name)
     from mlx_lm.utils import load
@@ -248,7 +250,18 @@ def load_model(ref: str | None) -> LoadedModel:
     from ..kernels import install
 
     install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
+    evaluate_all(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)
+
+
+def evaluate_all(model) -> None:
+    """Evaluate every array the model holds, private ones too: mlx-lm's RoPE classes keep lazy
+    ``_freqs`` that ``model.parameters()`` leaves out, and a lazy array made on the loading
+    thread cannot be evaluated on another (the server generates on its worker thread: MLX
+    streams belong to the thread that made them)."""
+    import mlx.core as mx
+
+    mx.eval([v for m in model.modules() for v in m.values() if isinstance(v, mx.array)])
 
 
 # -- architecture support ---------------------------------------------------
