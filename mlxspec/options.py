@@ -6,6 +6,7 @@ No mlx import here: the CLI reads this module before any model is loaded, and st
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -54,10 +55,12 @@ DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SI
 # the Ollama surface's sampling when a request's options leave it out: Ollama's own defaults,
 # which its clients expect (the OpenAI surface's are OpenAI's)
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0}
+OLLAMA_REPEAT_LAST_N = 64  # Ollama's penalty window (repeat_last_n) when options leave it out
 
 # penalties (mlx-lm's processors, mlx_lm.sample_utils.make_logits_processors): each counts the
 # tokens among the last PENALTY_WINDOW of prompt + output, as mlx-lm's own server does
 DEFAULT_PENALTY_WINDOW = 20
+MAX_PENALTY_WINDOW = 1 << 24  # more than any context; a larger int overflows MLX's slicing
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on one logit_bias value
 
 # log-probabilities per generated token: None off, 0 the chosen token's, n also the top n
@@ -89,30 +92,48 @@ LIMITS = {
     "drafter": (lambda v: v in DRAFTERS, "one of " + ", ".join(DRAFTERS)),
     "reasoning": (lambda v: v in REASONING_MODES, "one of " + ", ".join(REASONING_MODES)),
     "depth": (lambda v: MIN_DEPTH <= v <= MAX_DEPTH, f"between {MIN_DEPTH} and {MAX_DEPTH}"),
-    "temperature": (lambda v: v >= 0, "0 or more"),
+    "temperature": (lambda v: 0 <= v < math.inf, "0 or more (finite)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
     "logprobs": (lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}"),
     # 1 (or None) is off; > 1 makes a repeated token less likely (multiplicative, sign-aware)
-    "repetition_penalty": (lambda v: v > 0, "more than 0 (1 is off)"),
+    "repetition_penalty": (lambda v: 0 < v < math.inf, "more than 0 and finite (1 is off)"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "between -2 and 2"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "between -2 and 2"),
-    "penalty_window": (lambda v: v >= 1, "at least 1"),
+    "penalty_window": (lambda v: 1 <= v <= MAX_PENALTY_WINDOW, f"between 1 and {MAX_PENALTY_WINDOW}"),
     "logit_bias": (lambda v: all(isinstance(t, int) and t >= 0 and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS
                                  for t, b in v.items()),
                    f"a map of token ids (0 or more) to biases between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"),
 }
 
 
+# the server's surfaces bound these options as the APIs they copy do, where that differs from
+# LIMITS: a client written for OpenAI or Anthropic gets the 400 it would get there (Anthropic's
+# temperature is 0 to 1, OpenAI's 0 to 2; Ollama bounds none itself). Every other option, and
+# every option on a surface not named here, takes LIMITS' bounds.
+SURFACE_LIMITS = {
+    "openai": {"temperature": (lambda v: 0 <= v <= 2, "between 0 and 2")},
+    "anthropic": {"temperature": (lambda v: 0 <= v <= 1, "between 0 and 1")},
+    "ollama": {},
+}
+
+
+def limit_of(name: str, surface: str | None = None) -> tuple:
+    """(whether a value is allowed, what it must be) for option NAME on SURFACE (None: the CLI,
+    the config file and the Python API, which take LIMITS)."""
+    return SURFACE_LIMITS.get(surface or "", {}).get(name) or LIMITS[name]
+
+
 def check_values(values: Mapping[str, object], labels: Mapping[str, str] | None = None,
-                 error: type[MlxspecError] = UsageError) -> None:
+                 error: type[MlxspecError] = UsageError, surface: str | None = None) -> None:
     """Raise ERROR for the first of VALUES (option name -> value; None is not given) outside
-    its LIMITS, as "<label> must be <limit>, got <value>". A label is what the caller calls the
-    option (a flag, a config key); it defaults to the option's name."""
+    its limits (LIMITS, or SURFACE's where it sets its own), as "<label> must be <limit>, got
+    <value>". A label is what the caller calls the option (a flag, a config key); it defaults
+    to the option's name."""
     for name, value in values.items():
-        allowed, limit = LIMITS[name]
+        allowed, limit = limit_of(name, surface)
         if value is not None and not allowed(value):
             label = (labels or {}).get(name, name)
             raise error(f"{label} must be {limit}, got {value!r}")

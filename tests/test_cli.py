@@ -274,6 +274,9 @@ def test_options_reach_the_api(fake_load):
     (["--presence-penalty", "2.5"], "--presence-penalty"),
     (["--frequency-penalty", "-3"], "--frequency-penalty"),
     (["--penalty-window", "0"], "--penalty-window"),
+    (["--penalty-window", str(10**30)], "--penalty-window"),
+    (["--temp", "inf"], "--temp"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty"),
     (["--drafter", "magic"], "unknown drafter"),
     (["--drafter", "draft"], "--draft-model"),
 ])

@@ -60,6 +60,11 @@ class Capture:
             yield p
 
 
+def _what_to_answer(path: str) -> dict:
+    """The body's messages (/api/chat) or prompt (/api/generate): the other is a 400 there."""
+    return {"messages": MSG} if path == "/api/chat" else {"prompt": "x"}
+
+
 # -- the text is the OpenAI surface's ------------------------------------------------------------
 
 def test_chat_at_temperature_zero_is_the_openai_surfaces_text_streaming_or_not(served):
@@ -125,8 +130,11 @@ def test_options_num_predict_stop_and_seed(served):
     sampled = {"temperature": 0.9, "num_predict": 12, "seed": 7, "top_k": 0, "top_p": 1.0}
     a, b = (client.chat(model="tiny", messages=MSG, options=sampled).message.content for _ in range(2))
     assert a == b
-    ignored = {**GREEDY, "num_ctx": 4096, "repeat_penalty": 1.1, "mirostat": 0, "num_gpu": 99}  # as Ollama: no error
+    # how Ollama loads a model, and samplers at their "off" value: accepted, no effect (ollama_options.py)
+    ignored = {**GREEDY, "num_ctx": 4096, "mirostat": 0, "num_gpu": 99}
     assert client.chat(model="tiny", messages=MSG, options=ignored).message.content == full
+    penalized = client.chat(model="tiny", messages=MSG, options={**GREEDY, "repeat_penalty": 1.5}).message.content
+    assert penalized != full  # a real penalty now, no longer ignored
 
 
 def test_options_reach_the_generation_request_with_ollamas_defaults(served, monkeypatch):
@@ -327,7 +335,7 @@ def test_a_client_that_leaves_stops_its_generation(spec, monkeypatch, path, stre
     app = create_app(spec, Settings(model_name="tiny", max_tokens_cap=4096))
     model = Scripted()
     monkeypatch.setattr(app.state.server.worker, "spec", model)
-    body = {"model": "tiny", "messages": MSG, "prompt": "x", "stream": stream, "options": {"num_predict": 2000}}
+    body = {"model": "tiny", **_what_to_answer(path), "stream": stream, "options": {"num_predict": 2000}}
     with running(app) as url:
         host, port = url.removeprefix("http://").split(":")
         data = json.dumps(body).encode()
@@ -405,6 +413,6 @@ def test_an_error_after_the_stream_began_is_an_error_line(spec, monkeypatch):
 def test_a_drafter_the_model_cannot_run_is_a_400(served, path, stream):
     """The engine's refusal (no MTP head in this model) is the client's error, before the stream starts."""
     url, _ = served
-    body = {"model": "tiny", "messages": MSG, "prompt": "x", "stream": stream, "speculation": {"drafter": "mtp"}}
+    body = {"model": "tiny", **_what_to_answer(path), "stream": stream, "speculation": {"drafter": "mtp"}}
     r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code == 400 and "no MTP head" in r.json()["error"]

@@ -11,12 +11,15 @@ import json
 import logging
 import uuid
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationRequest
+from ..errors import UsageError
+from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
 from .common import (
     APIError,
@@ -27,6 +30,8 @@ from .common import (
     started,
     template_overrides,
 )
+from .contract import RequestBody, check_options, limit_text
+from .structured import check_answer_start, forced_tool_constraint, reasoning_mode_for
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
@@ -61,25 +66,42 @@ class Tool(BaseModel):
     type: str | None = None
 
 
-class CountBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ToolChoice(RequestBody):
+    """auto: the model decides; any: one call of some tool; tool: one call of NAME; none: no tools."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None  # true: at most one tool call comes back
+
+
+class CountBody(RequestBody):
+    """What /v1/messages/count_tokens takes: the prompt's part of a /v1/messages body."""
+
+    # the rest of a /v1/messages body shapes the answer, not the prompt: a client may count the
+    # body it is about to send
+    IGNORED = dict.fromkeys(("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream", "metadata",
+                             "service_tier", "speculation"), "generation, not prompt")
     model: str
     messages: list[Message]
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Any = None  # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"} | {"type": "adaptive"}
     chat_template_kwargs: Any = None
 
 
 class MessagesBody(CountBody):
+    # Anthropic fields a client may send that change nothing in what is generated here
+    IGNORED = {
+        "metadata": "a user_id for Anthropic's abuse monitoring: nothing is monitored here",
+        "service_tier": "Anthropic's capacity tier: there is one here",
+    }
     max_tokens: int
     stop_sequences: list[str] | None = None
-    temperature: float = Field(1.0, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, description=limit_text("temperature", "anthropic"))
+    top_p: float | None = Field(None, description=limit_text("top_p", "anthropic"))
+    top_k: int | None = Field(None, description=limit_text("top_k", "anthropic"))
     stream: bool = False
-    metadata: dict | None = None
     speculation: Any = None
 
 
@@ -149,7 +171,7 @@ def template_messages(body: CountBody) -> list[dict]:
 
 
 def template_tools(body: CountBody) -> list[dict] | None:
-    if not body.tools or (body.tool_choice or {}).get("type") == "none":
+    if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
     tools = []
     for t in body.tools:
@@ -183,30 +205,54 @@ def thinking_mode(thinking) -> tuple[str | None, bool]:
     return THINKING_TYPES[thinking["type"]], display == "omitted"
 
 
-def prompt_ids(server, body: CountBody, points: list | None = None) -> tuple[list[int], list[dict] | None]:
-    """The prompt's token ids (a final assistant turn is a prefill: it continues that text);
-    POINTS, if given, gets where a later turn may reuse the prefix cache."""
+def tool_constraint(body: CountBody, tools: list[dict] | None) -> ConstraintSpec | None:
+    """The constraint of a ``tool_choice`` that forces a call (any: of some tool; tool: of the
+    named one); None when it forces none."""
+    choice = body.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {choice.type} needs tools", param="tool_choice")
+    if choice.type == "tool" and not choice.name:
+        raise APIError(400, "tool_choice tool needs the tool's name", param="tool_choice.name")
+    forced = "required" if choice.type == "any" else {"type": "function", "function": {"name": choice.name}}
+    return forced_tool_constraint(tools, forced)
+
+
+@dataclass
+class Prompt:
+    """A body's prompt as the model sees it: one rendering serves /v1/messages and count_tokens,
+    so their counts agree."""
+
+    ids: list[int]
+    tools: list[dict] | None  # as the chat template got them
+    constraint: ConstraintSpec | None  # a forced tool call's
+    points: list[int]  # where a later turn may reuse the prefix cache
+    in_reasoning: bool  # the answer starts inside the reasoning
+
+
+def rendered(server, body: CountBody) -> Prompt:
+    """BODY's prompt (blocking: run it through ``server.prompts``); a final assistant turn is
+    a prefill: the answer continues that text."""
     messages, tools = template_messages(body), template_tools(body)
-    kwargs = template_overrides(server.settings, thinking_mode(body.thinking)[0], body.chat_template_kwargs)
+    constraint = tool_constraint(body, tools)
+    mode = reasoning_mode_for(thinking_mode(body.thinking)[0], constraint, "thinking")
+    kwargs = template_overrides(server.settings, mode, body.chat_template_kwargs)
     server.prompts.check_size(messages, tools)  # the prefill too, before it is taken off
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls") and len(messages) > 1:
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace here
     ids = server.encode_chat(messages, tools, kwargs)
-    if points is not None:
-        points.extend(server.reuse_points(messages, ids, tools, kwargs))
+    points = server.reuse_points(messages, ids, tools, kwargs)
     if prefill:
         tok = server.spec.tokenizer
         try:
             ids += list(tok.encode(prefill, add_special_tokens=False))
         except TypeError:
             ids += list(tok.encode(prefill))
-    return ids, tools
-
-
-def _prompt_and_reasoning(server, body: CountBody, points: list) -> tuple[list[int], list[dict] | None, bool]:
-    ids, tools = prompt_ids(server, body, points)
-    return ids, tools, server.starts_in_reasoning(ids)
+    in_reasoning = server.starts_in_reasoning(ids)
+    check_answer_start(constraint, in_reasoning, "tool_choice")
+    return Prompt(ids, tools, constraint, points, in_reasoning)
 
 
 # -- generation -> events --------------------------------------------------------------------
@@ -221,11 +267,12 @@ class ContentBlocks:
     reasoning in thinking blocks (empty unless SHOW_THINKING), the answer in text blocks, and
     tool calls (when PARSE_TOOLS) in tool_use blocks. Each method yields (name, data) events.
 
-    With tools, whitespace just before or after tool calls (the template's newlines) is dropped."""
+    With tools, whitespace just before or after tool calls (the template's newlines) is dropped;
+    with ONE_CALL, the calls after the first are left out."""
 
-    def __init__(self, parse_tools: bool, show_thinking: bool = True):
+    def __init__(self, parse_tools: bool, show_thinking: bool = True, one_call: bool = False):
         self.parser = ToolCallParser() if parse_tools else None
-        self.show_thinking = show_thinking
+        self.show_thinking, self.one_call = show_thinking, one_call
         self.index = 0  # of the block open or next
         self.open_block: str | None = None  # "text" | "thinking" | None
         self.pending = ""  # whitespace held back until it is known no tool call follows
@@ -290,6 +337,8 @@ class ContentBlocks:
         yield from self.emit(piece)
 
     def call(self, c: ToolCall):
+        if self.one_call and self.calls:
+            return
         self.pending, self.calls = "", self.calls + 1
         yield from self.close()
         block = _tool_block(c)
@@ -302,10 +351,10 @@ class ContentBlocks:
 
 
 async def content_events(deltas: AsyncIterator[str], parse_tools: bool, in_reasoning: bool = False,
-                         show_thinking: bool = True) -> AsyncIterator[tuple[str, dict]]:
+                         show_thinking: bool = True, one_call: bool = False) -> AsyncIterator[tuple[str, dict]]:
     """content_block_* events for a stream of text deltas (see :class:`ContentBlocks`).
     IN_REASONING: the text starts inside the reasoning."""
-    blocks = ContentBlocks(parse_tools, show_thinking)
+    blocks = ContentBlocks(parse_tools, show_thinking, one_call)
     splitter = ReasoningSplitter(in_reasoning)
     async with aclosing(deltas):
         async for delta in deltas:
@@ -361,20 +410,26 @@ async def messages(body: MessagesBody, request: Request):
     server = request.app.state.server
     server.check_model(body.model)
     server.check_max_tokens(body.max_tokens)
+    sampling = {"temperature": body.temperature, "top_p": body.top_p if body.top_p is not None else 1.0,
+                "top_k": body.top_k or 0}
+    check_options("anthropic", sampling)
     speculation = speculation_overrides(body.speculation, server.settings)
     _, omit_thinking = thinking_mode(body.thinking)
-    points: list[int] = []
-    ids, tools, in_reasoning = await server.prompts.run(_prompt_and_reasoning, server, body, points)
-    generation = GenerationRequest(max_tokens=body.max_tokens, temperature=body.temperature,
-                                   top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0,
-                                   **speculation, checkpoints=points)
+    prompt = await server.prompts.run(rendered, server, body)
+    ids, tools = prompt.ids, prompt.tools
+    try:
+        generation = GenerationRequest(max_tokens=body.max_tokens, **sampling, **speculation,
+                                       checkpoints=prompt.points, constraint=prompt.constraint)
+    except UsageError as err:
+        raise APIError(400, str(err)) from None
     gen = SurfaceRequest(prompt_ids=ids, generation=generation, stop=[s for s in body.stop_sequences or [] if s])
+    one_call = bool(body.tool_choice and body.tool_choice.disable_parallel_tool_use)
     outcome = Outcome()
     message = {"id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
                "model": server.settings.model_name, "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": len(ids), "output_tokens": 0}}
     events = content_events(server.generate(request, gen, outcome), parse_tools=bool(tools),
-                            in_reasoning=in_reasoning, show_thinking=not omit_thinking)
+                            in_reasoning=prompt.in_reasoning, show_thinking=not omit_thinking, one_call=one_call)
 
     def final_usage() -> dict:
         return {"input_tokens": len(ids), "output_tokens": outcome.completion_tokens,
@@ -415,5 +470,5 @@ async def messages(body: MessagesBody, request: Request):
 async def count_tokens(body: CountBody, request: Request):
     server = request.app.state.server
     server.check_model(body.model)
-    ids, _ = await server.prompts.run(prompt_ids, server, body)
-    return {"input_tokens": len(ids)}
+    prompt = await server.prompts.run(rendered, server, body)
+    return {"input_tokens": len(prompt.ids)}

@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .common import APIError, error_body, surface_of
+from .contract import UNKNOWN_FIELD, unknown_field_message
 
 log = logging.getLogger("mlxspec.server")
 
@@ -26,6 +27,16 @@ OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/redoc"}
 ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                422: "invalid_request_error", 503: "overloaded_error"}
+
+
+# endpoints of the real APIs this server does not offer (-> why): a 501 that says so, not a bare 404
+ONE_MODEL = "it serves the one model it was started with"
+UNSUPPORTED_ROUTES = {
+    **{f"/api/{name}": ONE_MODEL for name in ("pull", "push", "create", "copy", "delete", "blobs")},
+    **{path: "it serves a text generation model, not embeddings" for path in
+       ("/api/embed", "/api/embeddings", "/v1/embeddings")},
+    "/v1/responses": "use /v1/chat/completions",
+}
 
 
 class BodyLimit:
@@ -158,6 +169,11 @@ async def invalid_request(request: Request, err: RequestValidationError):
     where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     if first.get("type") == "json_invalid":
         message, where = "the request body is not valid JSON", None
+    elif first.get("type") == UNKNOWN_FIELD:  # the field, inside the object at fault
+        where = ".".join(filter(None, (where, first["ctx"]["field"])))
+        message = unknown_field_message(where, first["ctx"]["hint"])
+    elif first.get("type") == "extra_forbidden":  # a field of an object inside the body
+        message = unknown_field_message(where or "")
     else:
         message = f"{where + ': ' if where else ''}{first.get('msg', 'invalid request')}"
     return JSONResponse(error_body(surface_of(request.url.path), 400, message, "invalid_request_error", where),
@@ -165,9 +181,23 @@ async def invalid_request(request: Request, err: RequestValidationError):
 
 
 async def http_error(request: Request, err: StarletteHTTPException):
+    if err.status_code == 404:  # no route matched (the surfaces answer their own 404s as APIError)
+        return missing_route(request)
     kind = ERROR_KINDS.get(err.status_code, "api_error")
     return JSONResponse(error_body(surface_of(request.url.path), err.status_code, str(err.detail), kind),
                         status_code=err.status_code, headers=err.headers)  # e.g. a 405's Allow
+
+
+def missing_route(request: Request) -> JSONResponse:
+    """A 501 for an endpoint of a real API this server leaves out (UNSUPPORTED_ROUTES), else a 404."""
+    path, surface = request.url.path, surface_of(request.url.path)
+    reason = next((why for route, why in UNSUPPORTED_ROUTES.items() if path == route or path.startswith(route + "/")),
+                  None)
+    if reason is not None:
+        status, message, kind = 501, f"{path} is not supported by this server: {reason}", "invalid_request_error"
+    else:
+        status, message, kind = 404, f"no endpoint {request.method} {path} on this server", "not_found_error"
+    return JSONResponse(error_body(surface, status, message, kind), status_code=status)
 
 
 async def internal_error(request: Request, err: Exception):

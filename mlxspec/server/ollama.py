@@ -2,10 +2,11 @@
 with ``"stream": false``), ``/api/tags``, ``/api/show``, ``/api/ps`` and ``/api/version``.
 
 Requests become the same :class:`~mlxspec.server.common.SurfaceRequest` the other surfaces
-build (so the text at temperature 0 is theirs); ``options`` maps onto the sampling options (the
-many Ollama options with no meaning here are ignored, as Ollama ignores unknown ones), ``think``
-onto the reasoning switch, ``format`` onto constrained output, ``logprobs`` / ``top_logprobs``
-onto the engine's log-probabilities (Ollama renders them as OpenAI's chat does). Errors are
+build (so the text at temperature 0 is theirs); ``options`` maps onto the sampling options and
+penalties (``ollama_options.py`` says which are read, which are accepted with no effect, and
+answers a 400 for the rest, as for any other field a body may not carry), ``think`` onto the
+reasoning switch, ``format`` onto constrained output, ``logprobs`` / ``top_logprobs`` onto the
+engine's log-probabilities (Ollama renders them as OpenAI's chat does). Errors are
 ``{"error": "..."}``.
 What the model listing endpoints say about the model is in ``ollama_models.py``.
 """
@@ -24,10 +25,12 @@ from pydantic import BaseModel, ConfigDict
 from .. import __version__
 from ..api import GenerationRequest
 from ..errors import UsageError
-from ..options import LIMITS, MAX_SEED, OLLAMA_DEFAULTS, ConstraintSpec
+from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
 from .common import APIError, EventStream, Outcome, SurfaceRequest, speculation_overrides, started, template_overrides
+from .contract import RequestBody
 from .ollama_models import model_details, now_rfc3339, running_model, show_model
+from .ollama_options import sampling
 from .structured import LogprobRenderer, chat_logprobs, check_answer_start, reasoning_mode_for
 from .tools import ToolCall, ToolCallParser
 
@@ -50,14 +53,13 @@ class Message(BaseModel):
     tool_name: str | None = None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # keep_alive and other fields with no meaning here
+class _Body(RequestBody):
     model: str | None = None
     format: Any = None
     options: Any = None
     stream: bool = True  # Ollama streams unless told not to
     think: bool | str | None = None
-    keep_alive: Any = None
+    keep_alive: Any = None  # read by a request with nothing to generate (its reply); the model stays loaded
     logprobs: Any = None
     top_logprobs: Any = None
     speculation: Any = None
@@ -98,46 +100,6 @@ def served_name(server, name: str | None) -> str:
         raise APIError(404, f"model '{name}' not found; this server serves '{server.settings.model_name}'",
                        kind="not_found_error", param="model")
     return server.settings.model_name
-
-
-def _number(options: dict, key: str, integer: bool = False):
-    value = options.get(key)
-    if integer and isinstance(value, float) and value.is_integer():  # JSON numbers: 40.0 is 40 (as Ollama)
-        value = int(value)
-    kinds = (int,) if integer else (int, float)
-    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
-        raise APIError(400, f"options.{key} must be {'an integer' if integer else 'a number'}", param=f"options.{key}")
-    return value
-
-
-def sampling(server, options) -> tuple[dict, list[str]]:
-    """GenerationRequest keywords (sampling and max_tokens) and stop strings from ``options``."""
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
-        raise APIError(400, "options must be an object", param="options")
-    values = dict(OLLAMA_DEFAULTS)
-    for key in OLLAMA_DEFAULTS:
-        given = _number(options, key, integer=key == "top_k")
-        if given is not None:
-            values[key] = given
-        allowed, limit = LIMITS[key]
-        if not allowed(values[key]):
-            raise APIError(400, f"options.{key} must be {limit}", param=f"options.{key}")
-    seed = _number(options, "seed", integer=True)
-    if seed is not None and seed > MAX_SEED:
-        raise APIError(400, f"options.seed must be at most {MAX_SEED}", param="options.seed")
-    values["seed"] = seed if seed is not None and seed >= 0 else None  # Ollama's -1: a random seed
-    n = _number(options, "num_predict", integer=True)
-    if n is None or n in (-1, -2):  # Ollama: until the model stops (-2: the context fills)
-        n = server.settings.max_tokens_cap
-    server.check_max_tokens(n, "options.num_predict")
-    values["max_tokens"] = n
-    stop = options.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or any(not isinstance(s, str) for s in stop)):
-        raise APIError(400, "options.stop must be a string or a list of strings", param="options.stop")
-    return values, [s for s in stop or [] if s]
 
 
 def constraint(fmt) -> ConstraintSpec | None:

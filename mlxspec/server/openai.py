@@ -6,15 +6,14 @@ import json
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
 
 from .. import reasoning
 from ..api import GenerationRequest
 from ..errors import UsageError
-from ..options import MAX_SEED, REASONING_MODES, ConstraintSpec
+from ..options import REASONING_MODES, ConstraintSpec
 from .common import (
     APIError,
     EventStream,
@@ -24,6 +23,8 @@ from .common import (
     started,
     template_overrides,
 )
+from .contract import check_options, token_biases
+from .openai_requests import ChatRequest, CompletionRequest, Message, SamplingFields
 from .structured import (
     LogprobRenderer,
     chat_logprobs,
@@ -35,49 +36,6 @@ from .structured import (
 from .tools import ToolCall, ToolCallParser
 
 router = APIRouter()
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Union[str, list[dict], None] = None
-    tool_calls: Optional[list[dict]] = None
-    tool_call_id: Optional[str] = None
-    name: Optional[str] = None
-
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=1_000_000)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: Optional[int] = Field(None, ge=0, le=MAX_SEED)
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
-    n: int = Field(1, ge=1, le=1)
-    speculation: Optional[dict] = None
-    logprobs: Union[bool, int, None] = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[Message]
-    max_completion_tokens: Optional[int] = None
-    tools: Optional[list[dict]] = None
-    tool_choice: Union[str, dict, None] = None
-    top_logprobs: Optional[int] = None
-    stream_options: Optional[dict] = None
-    chat_template_kwargs: Optional[dict] = None
-    reasoning: Any = None  # "on" | "off" | "auto" or {"enabled": bool, "effort": str, "max_tokens": int}
-    reasoning_effort: Optional[str] = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int]]
-    max_tokens: Optional[int] = 16
-    echo: bool = False
 
 
 def _text(content, where: str) -> str:
@@ -171,11 +129,29 @@ def _template_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int | None,
+# the GenerationRequest options this surface names otherwise (mlx-lm's server's name)
+LABELS = {"penalty_window": "repetition_context_size"}
+
+
+def sampling_options(server, body: SamplingFields) -> dict:
+    """GenerationRequest keywords for the body's sampling, penalties and logit_bias, each
+    within the OpenAI surface's limits (else a 400 naming the field)."""
+    if body.n != 1:
+        raise APIError(400, f"n must be 1: this server returns one choice per request, got {body.n}", param="n")
+    values = {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+              "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+              "repetition_penalty": body.repetition_penalty, "penalty_window": body.repetition_context_size,
+              "logit_bias": token_biases(body.logit_bias, server.spec.target.vocab_size)}
+    check_options("openai", values, LABELS)
+    return {**{k: v for k, v in values.items() if v is not None}, "seed": body.seed}
+
+
+def _generation(server, body: SamplingFields, options: dict, prompt_ids: list[int], max_tokens: int | None,
                 checkpoints: list[int] | None = None, logprobs: int | None = None,
                 constraint: ConstraintSpec | None = None) -> SurfaceRequest:
-    """The body's generation; CHECKPOINTS: where a later turn may reuse the caches; LOGPROBS:
-    alternatives per token (None: off); CONSTRAINT: what the output must match."""
+    """The body's generation; OPTIONS: its sampling_options; CHECKPOINTS: where a later turn
+    may reuse the caches; LOGPROBS: alternatives per token (None: off); CONSTRAINT: what the
+    output must match."""
     max_tokens = max_tokens if max_tokens is not None else min(server.settings.max_tokens_cap, 1024)
     server.check_max_tokens(max_tokens)
     speculation = speculation_overrides(body.speculation, server.settings)
@@ -183,9 +159,8 @@ def _generation(server, body: _Sampling, prompt_ids: list[int], max_tokens: int 
     if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
         raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
     try:
-        generation = GenerationRequest(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                       top_k=body.top_k, min_p=body.min_p, seed=body.seed, **speculation,
-                                       checkpoints=checkpoints, logprobs=logprobs, constraint=constraint)
+        generation = GenerationRequest(max_tokens=max_tokens, **options, **speculation, checkpoints=checkpoints,
+                                       logprobs=logprobs, constraint=constraint)
     except UsageError as err:
         raise APIError(400, str(err)) from None
     return SurfaceRequest(prompt_ids=prompt_ids, generation=generation, stop=stop)
@@ -230,8 +205,10 @@ def _call_json(call: ToolCall, index: int) -> dict:
             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
-async def _folded_message(deltas: AsyncIterator[str], in_reasoning: bool, parse_tools: bool) -> dict:
-    """The whole assistant message of a generation: its answer, reasoning and tool calls."""
+async def _folded_message(deltas: AsyncIterator[str], in_reasoning: bool, parse_tools: bool,
+                          one_call: bool = False) -> dict:
+    """The whole assistant message of a generation: its answer, reasoning and tool calls (the
+    first only, with ONE_CALL)."""
     parser = ToolCallParser() if parse_tools else None
     text, thought, calls = "", "", []
     async for kind, delta in reasoning_pieces(deltas, in_reasoning):
@@ -240,7 +217,8 @@ async def _folded_message(deltas: AsyncIterator[str], in_reasoning: bool, parse_
             continue
         for piece in (parser.feed(delta) if parser else [delta]):
             if isinstance(piece, ToolCall):
-                calls.append(piece)
+                if not (one_call and calls):
+                    calls.append(piece)
             else:
                 text += piece
     for piece in parser.finish() if parser else []:
@@ -261,7 +239,9 @@ async def chat_completions(body: ChatRequest, request: Request):
     server.check_model(body.model)
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
+    options = sampling_options(server, body)
     tools = body.tools if body.tool_choice != "none" else None
+    one_call = body.parallel_tool_calls is False  # the calls after the first are left out
     constraint = request_constraint(body, tools, body.tool_choice)
     mode = reasoning_mode_for(reasoning_mode(body), constraint, "reasoning")
     kwargs = template_overrides(server.settings, mode, body.chat_template_kwargs)
@@ -271,14 +251,14 @@ async def chat_completions(body: ChatRequest, request: Request):
     check_answer_start(constraint, in_reasoning, "response_format")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = chat_logprobs(body.logprobs, body.top_logprobs)
-    gen = _generation(server, body, prompt_ids, max_tokens, checkpoints=points, logprobs=logprobs,
+    gen = _generation(server, body, options, prompt_ids, max_tokens, checkpoints=points, logprobs=logprobs,
                       constraint=constraint)
     outcome = Outcome()
     rid, created, model = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     deltas = server.generate(request, gen, outcome)
     fresh = _fresh_logprobs(outcome, LogprobRenderer(server.spec).chat) if logprobs is not None else None
     if not body.stream:
-        message = await _folded_message(deltas, in_reasoning, parse_tools=bool(tools))
+        message = await _folded_message(deltas, in_reasoning, parse_tools=bool(tools), one_call=one_call)
         finish = "tool_calls" if "tool_calls" in message else outcome.finish_reason
         lp = {"content": fresh(), "refusal": None} if fresh else None
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
@@ -286,7 +266,7 @@ async def chat_completions(body: ChatRequest, request: Request):
                 "usage": _usage(gen, outcome)}
 
     deltas = await started(deltas)  # errors before the first byte are still plain HTTP errors
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def choice(delta: dict, finish=None) -> dict:
         # logprobs of the tokens generated since the last chunk ride on the next one
@@ -307,6 +287,8 @@ async def chat_completions(body: ChatRequest, request: Request):
                     yield _sse({**head, "choices": [choice({"reasoning_content": delta})]})
                     continue
                 for piece in (parser.feed(delta) if parser else [delta]):
+                    if isinstance(piece, ToolCall) and one_call and n_calls:
+                        continue
                     if isinstance(piece, ToolCall):
                         d = {"tool_calls": [_call_json(piece, n_calls)]}
                         n_calls += 1
@@ -331,6 +313,10 @@ async def chat_completions(body: ChatRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     server = request.app.state.server
     server.check_model(body.model)
+    if body.best_of not in (None, 1):
+        raise APIError(400, f"best_of must be 1: this server returns one completion per request, got {body.best_of}",
+                       param="best_of")
+    options = sampling_options(server, body)
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -342,7 +328,7 @@ async def completions(body: CompletionRequest, request: Request):
         if not prompt_ids or any(t < 0 or t >= vocab for t in prompt_ids):
             raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})", param="prompt")
     logprobs = completion_logprobs(body.logprobs)
-    gen = _generation(server, body, prompt_ids, body.max_tokens, logprobs=logprobs,
+    gen = _generation(server, body, options, prompt_ids, body.max_tokens, logprobs=logprobs,
                       constraint=request_constraint(body))
     outcome = Outcome()
     rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name

@@ -1,6 +1,6 @@
 """The OpenAI surface's structured output and log-probabilities.
 
-Requests: ``response_format`` (json_object, json_schema), our ``guided_regex`` /
+Requests: ``response_format`` (json_object, json_schema), ``guided_json`` / ``guided_regex`` /
 ``guided_grammar`` (vLLM's names, so clients written for it work) and a ``tool_choice`` that
 forces a call become one ConstraintSpec; ``logprobs`` / ``top_logprobs`` become the number of
 alternatives per token. Responses: the engine's TokenLogprobs as OpenAI renders them.
@@ -21,23 +21,30 @@ TOOL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_
 
 
 def response_format_constraint(fmt) -> ConstraintSpec | None:
-    """``response_format``: text (None), json_object or json_schema (its ``schema``; strict or
-    not, the schema is enforced)."""
-    if fmt is None:
+    """``response_format`` (openai_requests.ResponseFormat): text (None), json_object or
+    json_schema (its ``schema``; strict or not, the schema is enforced)."""
+    if fmt is None or fmt.type == "text":
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
+    if fmt.type == "json_object":
         return ConstraintSpec("json")
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format.json_schema.schema")
-        return ConstraintSpec("json_schema", schema)
-    raise APIError(400, "response_format.type must be text, json_object or json_schema", param="response_format.type")
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                       param="response_format.json_schema.schema")
+    return ConstraintSpec("json_schema", schema)
+
+
+def guided_json_constraint(schema) -> ConstraintSpec | None:
+    """vLLM's ``guided_json``: a JSON schema, as an object or as its JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            raise APIError(400, "guided_json must be a JSON schema (an object, or its JSON text)",
+                           param="guided_json") from None
+    if schema is not None and not isinstance(schema, dict):
+        raise APIError(400, "guided_json must be a JSON schema object", param="guided_json")
+    return ConstraintSpec("json_schema", schema) if schema is not None else None
 
 
 def _forced_tools(tools: list[dict] | None, choice) -> list[dict] | None:
@@ -72,22 +79,29 @@ def tool_call_grammar(functions: list[dict]) -> str:
     return f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\ncall: %json {json.dumps(schema)}"
 
 
+def forced_tool_constraint(tools: list[dict] | None, choice) -> ConstraintSpec | None:
+    """The constraint of an OpenAI ``tool_choice`` over TOOLS (OpenAI's form): one call of
+    one of the functions it forces; None when it forces none."""
+    forced = _forced_tools(tools, choice)
+    return ConstraintSpec("grammar", tool_call_grammar(forced)) if forced is not None else None
+
+
 def request_constraint(body, tools: list[dict] | None = None, tool_choice=None) -> ConstraintSpec | None:
     """The one constraint a body asks for (two at once is a 400)."""
-    extra = body.model_extra or {}
     asked = {}
-    fmt = response_format_constraint(extra.get("response_format"))
-    if fmt is not None:
-        asked["response_format"] = fmt
+    for field, constraint in (("response_format", response_format_constraint(body.response_format)),
+                              ("guided_json", guided_json_constraint(body.guided_json))):
+        if constraint is not None:
+            asked[field] = constraint
     for field, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
-        value = extra.get(field)
+        value = getattr(body, field)
         if value is not None:
-            if not isinstance(value, str) or not value:
+            if not value:
                 raise APIError(400, f"{field} must be a non-empty string", param=field)
             asked[field] = ConstraintSpec(kind, value)
-    forced = _forced_tools(tools, tool_choice)
+    forced = forced_tool_constraint(tools, tool_choice)
     if forced is not None:
-        asked["tool_choice"] = ConstraintSpec("grammar", tool_call_grammar(forced))
+        asked["tool_choice"] = forced
     if len(asked) > 1:
         raise APIError(400, f"{' and '.join(asked)} each constrain the output: give one", param=next(iter(asked)))
     return next(iter(asked.values()), None)
