@@ -3,15 +3,16 @@ distribution, drafted and scored at several positions.
 
 The engine drafts 3 tokens per step (each from its own block position's q_i) and the first 3
 committed tokens are scored JOINTLY against their exact distribution (enumerated with the
-target), together with the first two (the pair), Bonferroni at ALPHA / 3 each.
+target), together with the pair and the ranks (stats_helpers.battery_keys).
 
-Power, computed beside the test (``test_the_test_has_power``): against the alternative "the
-token at position 2 is off by 3 points of probability" (in every context, 0.03 of its
-conditional moves from the most likely token to the least likely one: stats_helpers.shift_at),
-N draws give the battery a power >= 0.9 (0.95 at N = 1000 with this target and temperature;
-the 3-token joint test alone has little power against it, its cells are many and pooled: the
-pair test carries it). A planted rule that accepts every position against q_1 (the first block position's
-distribution) instead of its own q_i must fail the same test: p < 1e-9 at N_PLANTED = 300.
+Power, computed beside the test (``test_the_test_has_power``, simulated: stats_helpers.
+simulated_power): against the alternative "the token at position 2 is off by 3 points of
+probability" (in every context, 0.03 of its conditional moves from the most likely token to the
+least likely one: stats_helpers.shift_at), N = 500 draws give the battery (joint, pair, and the
+ranks of tokens 2 and 3 in their context, each at ALPHA / 4) a power of 0.99 with this target
+at temperature 0.3; the rank tests carry it. A planted rule that accepts every position against
+q_1 (the first block position's distribution) instead of its own q_i must fail the same test:
+p < 1e-9 at N_PLANTED = 300.
 
 The loop drafts chains here (tree=0): Leviathan/Chen with each position's own q_i. Trees at
 temperature > 0 are tests/test_tree_distribution.py's.
@@ -26,31 +27,24 @@ from mlxspec.engine.drafters.base import Draft
 from mlxspec.engine.drafters.dflash import DFlashDrafter
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
-from stats_helpers import chi_square_p, chi_square_power, exact_joint, marginal, shift_at
+from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
 
 ALPHA = 1e-3  # false-alarm rate of the whole battery
 PARAMS = SamplingParams(temperature=0.3, top_p=0.98, min_p=0.01)  # peaked: the most power a draw
 PROMPT = [2, 3, 2, 3, 2, 3, 2]
 LENGTH, DEPTH = 3, 3
-N = 1000  # from the power computation below
+N = 500  # from the power computation below
 N_PLANTED = 300
 
 
 def battery(counts: Counter, probs: dict, n: int) -> dict:
-    """p-values of the joint (3 tokens), pair and first-token tests."""
-    return {length: chi_square_p(marginal_counts(counts, length), marginal(probs, length), n)
-            for length in (LENGTH, 2)}
-
-
-def marginal_counts(counts: Counter, length: int) -> Counter:
-    out = Counter()
-    for seq, c in counts.items():
-        out[seq[:length]] += c
-    return out
+    """p-values of the joint (3 tokens), the pair and the rank of tokens 2 and 3 in their
+    context (stats_helpers.battery_keys), each tested at ALPHA / 4."""
+    return battery_pvalues(counts, probs, n, battery_keys(probs, LENGTH))
 
 
 def rejects(pvalues: dict) -> bool:
-    return min(pvalues.values()) < ALPHA / 3
+    return min(pvalues.values()) < ALPHA / len(pvalues)
 
 
 def sample(target, drafter, n):
@@ -71,7 +65,7 @@ def test_the_test_has_power(vocab8_dflash):
     target, _ = vocab8_dflash
     probs = exact_joint(target, PROMPT, LENGTH, PARAMS)
     alt = shift_at(probs, 1)  # position 2 (index 1) off by 3 points
-    power = chi_square_power(marginal(probs, 2), marginal(alt, 2), N, ALPHA / 3)
+    power = simulated_power(probs, alt, N, ALPHA, battery_keys(probs, LENGTH))
     assert power >= 0.9, power
 
 
