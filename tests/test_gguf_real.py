@@ -153,3 +153,34 @@ def test_server_tool_call_round_trip(smollm2):
                                                 max_tokens=32, temperature=0, extra_body=PLAIN)
         answer = second.choices[0].message.content or ""
         assert second.choices[0].finish_reason in ("stop", "length") and ("24" in answer or "unny" in answer), answer
+
+
+def test_anthropic_count_tokens_is_what_messages_reports(smollm2):
+    """count_tokens and /v1/messages render a conversation the same way on the real model's
+    template (system, tools, several turns): the count is the input_tokens the answer reports."""
+    import httpx
+
+    from mlxspec.server.app import create_app
+    from mlxspec.server.common import Settings
+    from server_helpers import running
+
+    tool = {"name": "get_weather", "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    bodies = [
+        {"messages": [{"role": "user", "content": "Hello"}]},
+        {"system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]},
+        {"system": "Be brief.", "tools": [tool], "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look."},
+            {"role": "user", "content": [{"type": "text", "text": "Thanks, and Rome?"}]}]},
+    ]
+    app = create_app(smollm2, Settings(model_name="smollm2", max_tokens_cap=64))
+    with running(app) as url:
+        for body in bodies:
+            body = {"model": "smollm2", **body}
+            counted = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=120)
+            assert counted.status_code == 200, counted.text
+            made = httpx.post(url + "/v1/messages", json={**body, "max_tokens": 1, "temperature": 0,
+                                                          **PLAIN}, timeout=120)
+            assert made.status_code == 200, made.text
+            assert counted.json()["input_tokens"] == made.json()["usage"]["input_tokens"], body
