@@ -136,13 +136,8 @@ def smollm2_folder(smollm2_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_folder):
-    """The real model loaded once; computed in float32 (MLX's CPU backend runs float16 and its
-    quantized matmuls many times slower; on Metal the converted float16 is the fast one)."""
-    import mlx.core as mx
-
+    """The real model loaded once, as a user's run loads it (on the CPU the loader computes in
+    float32: models.loader.compute_dtype)."""
     from mlxspec.api import load
 
-    spec = load(str(smollm2_folder))
-    spec.target.model.set_dtype(mx.float32)
-    mx.eval(spec.target.model.parameters())  # now: MLX streams are per thread (the server's worker)
-    return spec
+    return load(str(smollm2_folder))

@@ -142,3 +142,22 @@ def test_missing_tensor(tiny_llama, tmp_path):
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     message = one_line_error(InvalidCheckpointError, str(folder))
     assert "Missing" in message and dropped in message
+
+
+def test_a_16_bit_checkpoint_computes_in_float32_on_the_cpu(tmp_path, shared_tokenizer):
+    """MLX's CPU kernels run float16/bfloat16 (quantized matmuls above all) many times slower:
+    on the CPU the loader casts the floating weights, quantization scales and biases included,
+    to float32; packed quantized weights stay as they are. (On a GPU the checkpoint's own type
+    is kept.)"""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    import tiny
+    from mlxspec.models.convert import convert_checkpoint
+
+    source = tiny.write_checkpoint(tmp_path / "f16", "qwen3", tokenizer=shared_tokenizer, seed=1, dtype="float16")
+    convert_checkpoint(str(source), tmp_path / "q4", q_bits=4)
+    for folder in (source, tmp_path / "q4"):
+        dtypes = {v.dtype for _, v in tree_flatten(load_model(str(folder)).model.parameters())}
+        assert mx.float16 not in dtypes and mx.float32 in dtypes, (folder.name, dtypes)
+    assert mx.uint32 in dtypes  # the quantized one keeps its packed weights
