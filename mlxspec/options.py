@@ -38,6 +38,13 @@ DEFAULT_MIN_P = 0.0
 # log-probability (>= -13 for any vocabulary under 440k) past float16's range and sampling
 # would draw from NaNs (5e-324 overflows every dtype); 1e-3 leaves a 5x margin
 GREEDY_TEMPERATURE = 1e-3
+# the other ends, where float32 (the sampler's dtype) breaks: a temperature of 1e308 becomes
+# infinity and the logits NaN (one token drawn over and over), a top_p of 1e-300 becomes 0.
+# Neither bound takes anything from a user: at temperature 1e4 sampling is already uniform over
+# the kept tokens to within 0.3% (logits spread < 30), and a top_p under 1e-9 (under 1 / any
+# vocabulary) keeps the top token only, as 1e-9 itself does
+MAX_TEMPERATURE = 1e4
+MIN_TOP_P = 1e-9
 DEFAULT_MAX_TOKENS = 512  # one answer of `mlxspec run` (the config file's default too)
 API_DEFAULT_MAX_TOKENS = 256  # SpecModel.generate / stream
 MAX_SEED = 2**63 - 1  # the largest seed mx.random.seed takes
@@ -51,6 +58,13 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
 DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
+# arrays and objects in a request body nest at most this deep (a tool's JSON schema needs a
+# dozen levels; Python's recursion limit, 1000, is far above)
+MAX_JSON_DEPTH = 100
+# stop strings a request may give, and their length in characters: each is matched against
+# the new text of every chunk (OpenAI's surface keeps OpenAI's own count, 4)
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 256
 DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SIGTERM, then cancelled
 # the Ollama surface's sampling when a request's options leave it out: Ollama's own defaults,
 # which its clients expect (the OpenAI surface's are OpenAI's)
@@ -92,8 +106,8 @@ LIMITS = {
     "drafter": (lambda v: v in DRAFTERS, "one of " + ", ".join(DRAFTERS)),
     "reasoning": (lambda v: v in REASONING_MODES, "one of " + ", ".join(REASONING_MODES)),
     "depth": (lambda v: MIN_DEPTH <= v <= MAX_DEPTH, f"between {MIN_DEPTH} and {MAX_DEPTH}"),
-    "temperature": (lambda v: 0 <= v < math.inf, "0 or more (finite)"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "temperature": (lambda v: 0 <= v <= MAX_TEMPERATURE, f"between 0 and {MAX_TEMPERATURE:g}"),
+    "top_p": (lambda v: MIN_TOP_P <= v <= 1, f"between {MIN_TOP_P:g} and 1"),
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),

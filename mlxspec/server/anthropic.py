@@ -30,7 +30,7 @@ from .common import (
     started,
     template_overrides,
 )
-from .contract import RequestBody, check_options, limit_text
+from .contract import RequestBody, check_options, check_stop_strings, limit_text
 from .structured import check_answer_start, forced_tool_constraint, reasoning_mode_for
 from .tools import ToolCall, ToolCallParser
 
@@ -413,6 +413,7 @@ async def messages(body: MessagesBody, request: Request):
     sampling = {"temperature": body.temperature, "top_p": body.top_p if body.top_p is not None else 1.0,
                 "top_k": body.top_k or 0}
     check_options("anthropic", sampling)
+    check_stop_strings(body.stop_sequences or [], "stop_sequences")
     speculation = speculation_overrides(body.speculation, server.settings)
     _, omit_thinking = thinking_mode(body.thinking)
     prompt = await server.prompts.run(rendered, server, body)

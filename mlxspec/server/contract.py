@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import UsageError
-from ..options import check_values, limit_of
+from ..options import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_values, limit_of
 from .common import APIError
 
 # the pydantic error type of a field a body may not carry; the error handler reads its field
@@ -61,6 +61,17 @@ def unknown_keys(given: Mapping, known, where: str) -> None:
         if key not in known:
             raise APIError(400, unknown_field_message(f"{where}.{key}", typo_hint(key, known)),
                            param=f"{where}.{key}")
+
+
+def check_stop_strings(stops: list[str], param: str, most: int = MAX_STOP_STRINGS) -> None:
+    """400 naming PARAM when STOPS (strings) are more than MOST, or one is longer than
+    MAX_STOP_LENGTH: each is matched against every chunk of the answer."""
+    if len(stops) > most:
+        raise APIError(400, f"{param} takes at most {most} stop strings, got {len(stops)}", param=param)
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_LENGTH:
+            raise APIError(400, f"{param}.{i} is {len(stop)} characters; a stop string may have at most "
+                                f"{MAX_STOP_LENGTH}", param=f"{param}.{i}")
 
 
 def limit_text(name: str, surface: str) -> str:

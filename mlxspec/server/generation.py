@@ -28,13 +28,19 @@ def stop_at(text: str, stops: list[str]) -> tuple[int, str] | None:
 
 
 def held_back(text: str, stops: list[str]) -> int:
-    """Characters at the end of TEXT that could begin a stop string (not sent yet)."""
+    """Characters at the end of TEXT that could begin a stop string (not sent yet). Only the
+    places in TEXT's last len(stop) - 1 characters where the stop's first character occurs are
+    tried (each a C-level comparison), not every prefix of every stop."""
     keep = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                keep = max(keep, n)
+        if not s:
+            continue
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0))
+        while i != -1 and len(text) - i > keep:
+            if s.startswith(text[i:]):
+                keep = len(text) - i
                 break
+            i = text.find(s[0], i + 1)
     return keep
 
 

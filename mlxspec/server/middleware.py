@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .common import APIError, error_body, surface_of
 from .contract import UNKNOWN_FIELD, unknown_field_message
+from .json_limits import json_fault
 
 log = logging.getLogger("mlxspec.server")
 
@@ -41,7 +42,9 @@ UNSUPPORTED_ROUTES = {
 
 class BodyLimit:
     """ASGI middleware: a request body over the limit is answered 413 before it is parsed,
-    declared (Content-Length) or not (chunked): the body is read here, then handed on."""
+    declared (Content-Length) or not (chunked): the body is read here, then handed on, unless
+    it is JSON no surface could take (too deeply nested, lone surrogates: json_limits), a 400.
+    An exception no handler took is a shaped 500 here, so uvicorn keeps the connection."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -65,6 +68,9 @@ class BodyLimit:
             parts.append(message.get("body", b""))
             if not message.get("more_body"):
                 first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                fault = json_fault(first["body"]) if first["body"] else None
+                if fault is not None:
+                    return await self._refuse(scope, send, 400, fault.message, fault.kind, fault.param, close=False)
                 break
 
         async def replayed():
@@ -74,14 +80,34 @@ class BodyLimit:
                 return message
             return await receive()  # then what follows: a disconnect, when the client leaves
 
-        await self.app(scope, replayed, send)
+        started = False
+
+        async def watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replayed, watched)
+        except Exception:
+            # Starlette's outermost handler answers a 500 and raises on, and uvicorn closes a
+            # connection whose app raised: the client's next request on it would fail too
+            if started:
+                raise  # a stream broken halfway: closing the connection is all that is left
+            log.exception("internal error on %s", scope.get("path", ""))
+            await self._refuse(scope, send, 500, "internal server error", "api_error", close=False)
 
     async def _reject(self, scope, send):
-        surface = surface_of(scope.get("path", ""))
-        body = json.dumps(error_body(surface, 413, f"request body over {self.limit} bytes",
-                                     "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+        await self._refuse(scope, send, 413, f"request body over {self.limit} bytes", "request_too_large")
+
+    @staticmethod
+    async def _refuse(scope, send, status: int, message: str, kind: str, param: str | None = None,
+                      close: bool = True):
+        """Answer STATUS in the surface's error shape; CLOSE: and end the connection (its body
+        may be unread)."""
+        body = json.dumps(error_body(surface_of(scope.get("path", "")), status, message, kind, param)).encode()
+        headers = [(b"content-type", b"application/json")] + ([(b"connection", b"close")] if close else [])
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 

@@ -29,6 +29,7 @@ from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
 from .common import APIError, EventStream, Outcome, SurfaceRequest, speculation_overrides, started, template_overrides
 from .contract import RequestBody
+from .json_limits import check_json_text
 from .ollama_models import model_details, now_rfc3339, running_model, show_model
 from .ollama_options import sampling
 from .structured import LogprobRenderer, chat_logprobs, check_answer_start, reasoning_mode_for
@@ -148,6 +149,7 @@ def _tool_call(call: dict, where: str) -> dict:
         raise APIError(400, f"{where}.function must be an object with a string name", param=where)
     args = fn.get("arguments") or {}
     if isinstance(args, str):
+        check_json_text(args, f"{where}.function.arguments")
         try:
             args = json.loads(args)
         except json.JSONDecodeError:

@@ -149,7 +149,8 @@ def show_model(spec, name: str) -> dict:
         if isinstance(ours, int):
             model_info[f"{family}.{key}"] = ours
     parameters = "\n".join(f"{k:<16}{v}" for k, v in OLLAMA_DEFAULTS.items())  # what a request's options default to
-    return {"modelfile": f"# served by mlxspec\nFROM {_path(spec) or name}\n", "parameters": parameters,
+    # the name it is served under: the path on disk is the server's business, not a client's
+    return {"modelfile": f"# served by mlxspec\nFROM {name}\n", "parameters": parameters,
             "template": chat_template(spec), "details": info, "model_info": model_info,
             "capabilities": capabilities(spec), "modified_at": modified_at(spec)}
 

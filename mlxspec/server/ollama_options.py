@@ -10,7 +10,7 @@ import math
 
 from ..options import MAX_SEED, OLLAMA_DEFAULTS, OLLAMA_REPEAT_LAST_N
 from .common import APIError
-from .contract import check_options, unknown_keys
+from .contract import check_options, check_stop_strings, unknown_keys
 
 # Ollama's penalties -> GenerationRequest's; off unless given (Ollama's own engine applies none
 # by default either), over the last repeat_last_n tokens of prompt + output
@@ -98,4 +98,5 @@ def sampling(server, options) -> tuple[dict, list[str]]:
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stop, list) or any(not isinstance(s, str) for s in stop)):
         raise APIError(400, "options.stop must be a string or a list of strings", param="options.stop")
+    check_stop_strings(stop or [], "options.stop")
     return values, [s for s in stop or [] if s]

@@ -23,7 +23,8 @@ from .common import (
     started,
     template_overrides,
 )
-from .contract import check_options, token_biases
+from .contract import check_options, check_stop_strings, token_biases
+from .json_limits import check_json_text
 from .openai_requests import ChatRequest, CompletionRequest, Message, SamplingFields
 from .structured import (
     LogprobRenderer,
@@ -61,6 +62,7 @@ def _tool_call(call: dict, where: str) -> dict:
     fn = dict(fn)
     args = fn.get("arguments")
     if isinstance(args, str):  # templates want a mapping
+        check_json_text(args, f"{where}.function.arguments")
         try:
             args = fn["arguments"] = json.loads(args)
         except json.JSONDecodeError:
@@ -129,6 +131,8 @@ def _template_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
+OPENAI_STOP_STRINGS = 4  # OpenAI's own bound on stop
+
 # the GenerationRequest options this surface names otherwise (mlx-lm's server's name)
 LABELS = {"penalty_window": "repetition_context_size"}
 
@@ -156,8 +160,9 @@ def _generation(server, body: SamplingFields, options: dict, prompt_ids: list[in
     server.check_max_tokens(max_tokens)
     speculation = speculation_overrides(body.speculation, server.settings)
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > 4 or any(not isinstance(s, str) or not s for s in stop):
+    if len(stop) > OPENAI_STOP_STRINGS or any(not isinstance(s, str) or not s for s in stop):
         raise APIError(400, "stop must be a non-empty string or a list of up to 4 of them", param="stop")
+    check_stop_strings(stop, "stop", most=OPENAI_STOP_STRINGS)
     try:
         generation = GenerationRequest(max_tokens=max_tokens, **options, **speculation, checkpoints=checkpoints,
                                        logprobs=logprobs, constraint=constraint)

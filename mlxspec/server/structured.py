@@ -13,6 +13,7 @@ import json
 from .. import reasoning
 from ..options import MAX_TOP_LOGPROBS, ConstraintSpec
 from .common import APIError
+from .json_limits import check_json_text
 from .tools import CLOSE, OPEN
 
 # JSON inside a grammar laid out as the engine lays out JSON schemas (json.dumps style); lenient:
@@ -37,6 +38,7 @@ def response_format_constraint(fmt) -> ConstraintSpec | None:
 def guided_json_constraint(schema) -> ConstraintSpec | None:
     """vLLM's ``guided_json``: a JSON schema, as an object or as its JSON text."""
     if isinstance(schema, str):
+        check_json_text(schema, "guided_json")
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError:
@@ -53,11 +55,15 @@ def _forced_tools(tools: list[dict] | None, choice) -> list[dict] | None:
     if choice is None or choice in ("auto", "none"):
         return None
     functions = [t.get("function") for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    for i, f in enumerate(functions):  # a forced call's grammar names each function
+        if not isinstance(f.get("name"), str):
+            raise APIError(400, f"tools.{i}.function.name must be a string", param=f"tools.{i}.function.name")
     if choice == "required":
         if not functions:
             raise APIError(400, "tool_choice \"required\" needs tools", param="tool_choice")
         return functions
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise APIError(400, "tool_choice must be \"auto\", \"none\", \"required\" or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
