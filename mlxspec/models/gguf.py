@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InvalidCheckpointError, UsageError
+from .gguf_checks import check_tensors_match_metadata
 from .gguf_file import GGUFHeader, read_header
 from .gguf_tokenizer import eos_token_ids, write_tokenizer
 from .gguf_weights import read_weights
@@ -42,6 +43,8 @@ _LAYER = {
 _LAYER_GEMMA2 = {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _DROPPED = {"rope_freqs.weight"}  # llama.cpp's precomputed rotary factors: mlx-lm computes its own
+NAME_MAX = 255  # bytes in one path component (Linux, macOS)
+_STAGING_EXTRA = len(".") + len(".partial-") + 10  # staged_folder's name around OUT's, with a pid
 
 
 @dataclass
@@ -190,14 +193,11 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
     step = on_step or (lambda _message: None)
     source = Path(source).expanduser()
     name = f"'{source.name}'"
-    out = Path(out).expanduser().resolve()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output '{out}' is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UsageError(f"output folder '{out}' exists and is not empty; pass --force to replace it")
+    out = _usable_output(out, force)
     step(f"reading {source.name}")
     header = read_header(source)
     config = _config(header, name)
+    check_tensors_match_metadata(header, config, name)
     _check_mlx_lm(config, name)
     arch = header.architecture
     types: dict[str, int] = {}
@@ -231,12 +231,35 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
         config["quantization"] = config["quantization_config"] = quantization
     config["mlxspec"] = {"gguf_source": source.name, "gguf_types": dict(sorted(types.items()))}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with staged_folder(out) as staging:
-        staging.mkdir()
-        step("writing the MLX checkpoint")
-        _write(staging, config, tensors, header)
+    try:  # staged_folder removes what was written if this fails
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with staged_folder(out) as staging:
+            staging.mkdir()
+            step("writing the MLX checkpoint")
+            _write(staging, config, tensors, header)
+    except OSError as err:
+        raise UsageError(f"cannot write the checkpoint to '{out}': {err.strerror or err}") from None
     return result
+
+
+def _usable_output(out: str | os.PathLike, force: bool) -> Path:
+    """OUT resolved, after the checks that fail before any work: a name the file system takes
+    (with the staging folder's longer one), not a file, empty unless FORCE."""
+    try:
+        out = Path(out).expanduser().resolve()
+        too_long = next((part for part in out.parts if len(os.fsencode(part)) > NAME_MAX), None)
+        if too_long is None and len(os.fsencode(out.name)) + _STAGING_EXTRA > NAME_MAX:
+            too_long = out.name
+        if too_long is not None:
+            raise UsageError(f"output path has a name of {len(os.fsencode(too_long))} bytes "
+                             f"('{too_long[:40]}...'); names may have at most {NAME_MAX - _STAGING_EXTRA} bytes")
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"output '{out}' is a file; give a folder")
+        if out.is_dir() and any(out.iterdir()) and not force:
+            raise UsageError(f"output folder '{out}' exists and is not empty; pass --force to replace it")
+    except OSError as err:
+        raise UsageError(f"cannot use output '{out}': {err.strerror or err}") from None
+    return out
 
 
 def _write(folder: Path, config: dict, tensors: dict, header: GGUFHeader) -> None:
@@ -266,14 +289,21 @@ def cached_conversion(source: str | os.PathLike, on_step: Callable[[str], None] 
     """The mlx-lm folder converted from the GGUF file SOURCE, converting it on first use.
     Keyed by the file's resolved path, size and modification time: a changed file converts again."""
     path = Path(source).expanduser()
-    if not path.is_file():
-        raise InvalidCheckpointError(f"GGUF file '{source}' does not exist")
-    path = path.resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    try:  # a name too long for the file system is OSError here, not a missing file
+        if not path.is_file():
+            raise InvalidCheckpointError(f"GGUF file '{source}' does not exist")
+        path = path.resolve()
+        stat = path.stat()
+        key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    except OSError as err:
+        raise InvalidCheckpointError(f"cannot use GGUF file '{source}': {err.strerror or err}") from None
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:80] or "model"
     folder = gguf_cache_dir() / f"{stem}-{key}"
-    if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
-        return folder
+    try:  # the cache folder comes from MLXSPEC_GGUF_CACHE: it can be unusable too
+        if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
+            return folder
+    except OSError as err:
+        raise UsageError(f"cannot use the GGUF cache '{folder.parent}' (${CACHE_ENV}): "
+                         f"{err.strerror or err}") from None
     convert_gguf(path, folder, force=True, on_step=on_step)
     return folder

@@ -19,6 +19,8 @@ DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
 # a sane ceiling for one header string or array: a lying length must not allocate gigabytes
 MAX_ITEMS = 1 << 26
+# arrays of arrays: llama.cpp writes none, and each level is one Python stack frame here
+MAX_ARRAY_DEPTH = 8
 
 # ggml type id -> (name, elements per block, bytes per block), as ggml defines them
 GGML_TYPES = {
@@ -63,8 +65,8 @@ class GGUFHeader:
 
 
 class _Reader:
-    def __init__(self, f, name: str):
-        self.f, self.name = f, name
+    def __init__(self, f, name: str, size: int):
+        self.f, self.name, self.size = f, name, size
 
     def take(self, n: int) -> bytes:
         data = self.f.read(n)
@@ -77,24 +79,29 @@ class _Reader:
 
     def count(self, what: str) -> int:
         n = self.scalar("<Q")
-        if n > MAX_ITEMS:
+        # every item takes at least one byte: a count past the file's end is a lie, whatever its size
+        if n > MAX_ITEMS or n > self.size - self.f.tell():
             raise InvalidCheckpointError(f"{self.name} is not a valid GGUF file (a {what} claims {n:,} items)")
         return n
 
     def string(self) -> str:
         return self.take(self.count("string")).decode("utf-8", errors="replace")
 
-    def value(self, kind: int):
+    def value(self, kind: int, depth: int = 0):
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise InvalidCheckpointError(
+                    f"{self.name} is not a valid GGUF file (metadata arrays nested more than "
+                    f"{MAX_ARRAY_DEPTH} deep)")
             item_kind, n = self.scalar("<I"), self.count("metadata array")
             if item_kind in _SCALARS:  # one read for a whole numeric array
                 fmt = _SCALARS[item_kind]
                 return list(struct.unpack(f"<{n}{fmt[1]}", self.take(n * struct.calcsize(fmt))))
-            return [self.value(item_kind) for _ in range(n)]
+            return [self.value(item_kind, depth + 1) for _ in range(n)]
         raise InvalidCheckpointError(f"{self.name} is not a valid GGUF file (unknown metadata type {kind})")
 
 
@@ -109,7 +116,7 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     except OSError as err:
         raise InvalidCheckpointError(f"cannot read {path}: {err.strerror or err}") from None
     with f:
-        r = _Reader(f, name)
+        r = _Reader(f, name, size)
         if f.read(4) != MAGIC:
             raise InvalidCheckpointError(f"{name} is not a GGUF file (no GGUF magic)")
         version = r.scalar("<I")
@@ -120,12 +127,19 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
         for _ in range(n_kv):
             key = r.string()
             metadata[key] = r.value(r.scalar("<I"))
-        infos = []
+        infos, seen = [], set()
         for _ in range(n_tensors):
             tensor_name, n_dims = r.string(), r.scalar("<I")
+            if tensor_name in seen:  # the second would silently replace the first
+                raise InvalidCheckpointError(f"{name} is corrupt: it names tensor '{tensor_name}' twice")
+            seen.add(tensor_name)
             if not 1 <= n_dims <= MAX_DIMS:
                 raise InvalidCheckpointError(f"{name}: tensor '{tensor_name}' has {n_dims} dimensions")
             dims = [r.scalar("<Q") for _ in range(n_dims)]
+            if 0 in dims:  # no bytes to check against the file, and no model has an empty weight
+                raise InvalidCheckpointError(
+                    f"{name} is corrupt: tensor '{tensor_name}' has a zero-size dimension "
+                    f"({' x '.join(map(str, reversed(dims)))})")
             infos.append((tensor_name, dims, r.scalar("<I"), r.scalar("<Q")))
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0:
