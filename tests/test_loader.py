@@ -161,3 +161,13 @@ def test_a_16_bit_checkpoint_computes_in_float32_on_the_cpu(tmp_path, shared_tok
         dtypes = {v.dtype for _, v in tree_flatten(load_model(str(folder)).model.parameters())}
         assert mx.float16 not in dtypes and mx.float32 in dtypes, (folder.name, dtypes)
     assert mx.uint32 in dtypes  # the quantized one keeps its packed weights
+
+
+def test_a_gguf_path_the_system_refuses_is_one_line(tmp_path, monkeypatch):
+    """A name past the file system's limit (or an Ollama store folder with one) raises OSError
+    from is_file(): a ModelNotFoundError naming it, not an internal error."""
+    with pytest.raises(ModelNotFoundError, match="cannot read"):
+        load_model(str(tmp_path / ("x" * 300 + ".gguf")))
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / ("o" * 300)))
+    with pytest.raises(ModelNotFoundError, match="cannot read"):
+        load_model("ollama:smollm2:135m")

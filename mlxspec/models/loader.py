@@ -169,7 +169,15 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
 
 def gguf_source(ref: str) -> Path | None:
     """The GGUF file REF names (FILE.gguf, ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE]),
-    None when REF is not a GGUF reference; ModelNotFoundError when it is one naming nothing."""
+    None when REF is not a GGUF reference; ModelNotFoundError when it is one naming nothing or
+    a path the system refuses (a name too long, a folder that cannot be read)."""
+    try:
+        return _gguf_path(ref)
+    except OSError as err:
+        raise ModelNotFoundError(f"cannot read '{ref}': {err.strerror or err}") from None
+
+
+def _gguf_path(ref: str) -> Path | None:
     if is_store_ref(ref):
         return resolve_store_ref(ref)
     if not ref.lower().endswith(".gguf"):
