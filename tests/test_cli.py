@@ -110,6 +110,10 @@ class Pty:
     def __init__(self, argv, env):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
+            # as a terminal starts a command: Ctrl-C delivered. An ignored or blocked SIGINT
+            # survives exec, and an earlier test in this worker process may have left either
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
             os.execve(argv[0], argv, env)
         self.output = ""
         self.seen = 0  # output before this was matched by an earlier expect
