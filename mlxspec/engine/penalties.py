@@ -32,26 +32,27 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
+    def repetition_on(self) -> float | None:
+        """The repetition penalty when it changes anything (None: absent or 1)."""
+        return self.repetition if self.repetition not in (None, 1.0) else None
+
+    @property
     def active(self) -> bool:
-        return bool(self.logit_bias) or self.presence != 0 or self.frequency != 0 or (
-            self.repetition is not None and self.repetition != 1.0)
+        return bool(self.logit_bias) or self.presence != 0 or self.frequency != 0 or self.repetition_on is not None
 
     @cached_property
     def processors(self) -> list:
         """mlx-lm's processors for these values (empty when none is active)."""
         if not self.active:
             return []
-        repetition = self.repetition if self.repetition not in (None, 1.0) else None
         return make_logits_processors(
-            dict(self.logit_bias) or None, repetition, self.window,
+            dict(self.logit_bias) or None, self.repetition_on, self.window,
             self.presence or None, self.window, self.frequency or None, self.window,
         )
 
     def check_vocabulary(self, size: int) -> None:
         """ValueError naming the first biased token id outside a vocabulary of SIZE."""
-        for token, _ in self.logit_bias:
-            if token >= size:
-                raise ValueError(f"logit_bias token id {token} is outside the vocabulary (0 to {size - 1})")
+        check_token_ids([token for token, _ in self.logit_bias], size)
 
     def apply(self, history: list[int], drafts: list[int], logits: mx.array) -> mx.array:
         """LOGITS (rows, V), rows <= len(DRAFTS) + 1, with row i processed after HISTORY (the
@@ -68,3 +69,10 @@ class Penalties:
                 row = process(tokens, row)
             out.append(row)
         return mx.concatenate(out) if rows > 1 else out[0]
+
+
+def check_token_ids(tokens, size: int, what: str = "logit_bias") -> None:
+    """ValueError naming the first of TOKENS outside a vocabulary of SIZE (WHAT: where they came from)."""
+    for token in tokens:
+        if not 0 <= token < size:
+            raise ValueError(f"{what} token id {token} is outside the vocabulary (0 to {size - 1})")

@@ -443,7 +443,7 @@ class _Run:
         """DRAFT cut at its first token outside the constraint's language, the masks of the
         verify's rows, and the q row of the token cut (None: nothing cut, or a drafter that
         drafts deterministically, whose cut token p already gives 0)."""
-        host = draft.host if draft.host is not None else draft.tokens.tolist()
+        host = draft.host_tokens()
         cut, masks = self.constraint.masks(host)
         if cut == len(draft):
             return draft, masks, None
@@ -457,7 +457,7 @@ class _Run:
         if self.constraint is not None:
             draft, masks, cut_q = self._cut_draft(draft)
         k = len(draft)
-        host_drafts = (draft.host if draft.host is not None else draft.tokens.tolist()) if self.penalties else []
+        host_drafts = draft.host_tokens() if self.penalties else []
         start = len(self.tokens) - 1  # committed in the cache (a queued verify may follow)
         logprobs = self._settle_guess(draft)
         if logprobs is None:

@@ -237,8 +237,7 @@ def load_model(ref: str | None) -> LoadedModel:
         from .gemma4_assistant import load_assistant
 
         model, config = load_assistant(path, name)  # the tokenizer is its target's
-        compute_dtype(model)
-        evaluate_all(model)
+        ready(model)
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     from .dflash_config import is_dflash_folder
 
@@ -246,8 +245,7 @@ def load_model(ref: str | None) -> LoadedModel:
         from .dflash import load_dflash
 
         model, config = load_dflash(path, name)
-        compute_dtype(model)
-        evaluate_all(model)
+        ready(model)
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     check_checkpoint(path, name)
     from mlx_lm.utils import load
@@ -260,9 +258,14 @@ def load_model(ref: str | None) -> LoadedModel:
     from ..kernels import install
 
     install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
+    ready(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)
+
+
+def ready(model) -> None:
+    """A loaded model as every caller gets it: in this device's fast dtype, fully evaluated."""
     compute_dtype(model)
     evaluate_all(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)
 
 
 def compute_dtype(model) -> None:

@@ -14,6 +14,7 @@ from typing import ClassVar
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..engine.penalties import check_token_ids
 from ..errors import UsageError
 from ..options import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_values, limit_of
 from .common import APIError
@@ -102,8 +103,9 @@ def token_biases(bias: Mapping[str, float] | None, vocab_size: int, param: str =
             token = int(key)
         except ValueError:
             raise APIError(400, f"{param} keys must be token ids (integers), got {key!r}", param=param) from None
-        if not 0 <= token < vocab_size:
-            raise APIError(400, f"{param}: token id {token} is not in this model's vocabulary (0 to {vocab_size - 1})",
-                           param=param)
+        try:
+            check_token_ids([token], vocab_size, param)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param) from None
         out[token] = value
     return out

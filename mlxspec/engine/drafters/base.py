@@ -23,6 +23,10 @@ class Draft:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def host_tokens(self) -> list[int]:
+        """The tokens on the host: ``host`` when drafted there, else read from the device."""
+        return self.host if self.host is not None else self.tokens.tolist()
+
 
 class Drafter(ABC):
     """Proposes up to ``k`` tokens to follow the committed sequence.
@@ -98,7 +102,7 @@ class Drafter(ABC):
         draft = self.propose(tokens, k, GREEDY)
         if draft is None or draft.rows is None:
             return None
-        chain = draft.host if draft.host is not None else draft.tokens.tolist()
+        chain = draft.host_tokens()
         return tree_from_chain_topk(draft.rows, chain, budget)
 
 
