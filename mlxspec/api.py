@@ -19,7 +19,13 @@ from .errors import DrafterError, InvalidCheckpointError, ModelNotFoundError, Us
 from .models.loader import LoadedModel, load_model
 
 # DRAFTERS and DEFAULT_PROMPT_CACHE_BYTES stay importable from here: callers of the API read them
-from .options import DEFAULT_PROMPT_CACHE_BYTES, DRAFTERS, MODEL_DRAFTERS, ConstraintSpec  # noqa: F401
+from .options import (  # noqa: F401
+    DEFAULT_PROMPT_CACHE_BYTES,
+    DRAFTERS,
+    MODEL_DRAFTERS,
+    VERIFY_COST_BUDGET_S,
+    ConstraintSpec,
+)
 
 # the request and result types are the API's: importable from here as before
 from .request import Chunk, GenerationRequest, Result  # noqa: F401
@@ -45,8 +51,8 @@ class SpecModel:
 
     def verify_cost(self, on_status: Callable[[str], None] | None = None):
         """Measured cost of verifying 1..16 tokens with this model: the curve stored for this
-        machine and model (by `mlxspec tune` or an earlier run), else measured now, announced
-        to ON_STATUS, and stored for the next runs."""
+        machine and model (by `mlxspec tune` or an earlier run), else measured now within
+        VERIFY_COST_BUDGET_S, announced to ON_STATUS with its progress, and stored for the next runs."""
         if self._cost is None:
             from .tuning.storage import stored_cost
 
@@ -55,9 +61,16 @@ class SpecModel:
             from .engine.costs import measure_verify_cost
             from .tuning.storage import save_cost
 
+            label = "measuring this machine's verify cost (once per model, then stored)"
             if on_status:
-                on_status("measuring this machine's verify cost (once per model, then stored)")
-            self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size)
+                on_status(label)
+
+            def progress(done: int, total: int) -> None:
+                on_status(f"{label}: {100 * done // total}%")
+
+            self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size,
+                                             budget_s=VERIFY_COST_BUDGET_S,
+                                             on_progress=progress if on_status else None)
             save_cost(self.target, self._cost)
         return self._cost
 

@@ -40,14 +40,18 @@ DEFAULT_MIN_P = 0.0
 GREEDY_TEMPERATURE = 1e-3
 # the other ends, where float32 (the sampler's dtype) breaks: a temperature of 1e308 becomes
 # infinity and the logits NaN (one token drawn over and over), a top_p of 1e-300 becomes 0.
-# Neither bound takes anything from a user: at temperature 1e4 sampling is already uniform over
-# the kept tokens to within 0.3% (logits spread < 30), and a top_p under 1e-9 (under 1 / any
-# vocabulary) keeps the top token only, as 1e-9 itself does
+# The bound takes nothing from a user: at temperature 1e4 sampling is already uniform over the
+# kept tokens to within 0.3% (logits spread < 30). A top_p below MIN_TOP_P (under 1 / any
+# vocabulary: the top token alone is kept) is greedy decoding, as a vanishing temperature is
 MAX_TEMPERATURE = 1e4
 MIN_TOP_P = 1e-9
 DEFAULT_MAX_TOKENS = 512  # one answer of `mlxspec run` (the config file's default too)
 API_DEFAULT_MAX_TOKENS = 256  # SpecModel.generate / stream
 MAX_SEED = 2**63 - 1  # the largest seed mx.random.seed takes
+
+# seconds a run may spend measuring this machine's verify cost before its first answer (once per
+# model, then stored): a slow machine measures fewer widths (`mlxspec tune` measures them all)
+VERIFY_COST_BUDGET_S = 2.0
 
 # earlier conversations' caches kept for prefix reuse (--prompt-cache-bytes)
 DEFAULT_PROMPT_CACHE_SIZE = "2GiB"
@@ -107,7 +111,7 @@ LIMITS = {
     "reasoning": (lambda v: v in REASONING_MODES, "one of " + ", ".join(REASONING_MODES)),
     "depth": (lambda v: MIN_DEPTH <= v <= MAX_DEPTH, f"between {MIN_DEPTH} and {MAX_DEPTH}"),
     "temperature": (lambda v: 0 <= v <= MAX_TEMPERATURE, f"between 0 and {MAX_TEMPERATURE:g}"),
-    "top_p": (lambda v: MIN_TOP_P <= v <= 1, f"between {MIN_TOP_P:g} and 1"),
+    "top_p": (lambda v: 0 <= v <= 1, "between 0 and 1"),
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),

@@ -31,7 +31,8 @@ def test_the_first_run_stores_the_cost_curve_and_labels_the_step(tune_dir, tiny_
     labels = []
     out = spec.generate("hello", max_tokens=4, drafter="pld", on_status=labels.append)
     assert out.stats.cost_model == "measured"
-    assert len(labels) == 1 and "measuring" in labels[0]
+    assert "measuring" in labels[0] and all(label.startswith(labels[0]) for label in labels)
+    assert labels[-1].endswith(": 100%")  # its progress follows
     stored = json.loads(storage.result_path(spec.target).read_text())
     assert stored["verify_cost"]["1"] == 1.0 and stored["model"]["key"] == storage.model_info(spec.target)["key"]
     # the next load on this machine reads it: nothing measured, nothing to label

@@ -229,8 +229,8 @@ def test_api_show_names_the_model_not_its_path(served, tiny_qwen3):
 @pytest.mark.parametrize("path,body,needle", [
     ("/api/chat", {**OLLAMA_CHAT, "options": {"temperature": 1e308}}, "options.temperature must be between 0 and"),
     ("/api/chat", {**OLLAMA_CHAT, "options": {"temperature": float("inf")}}, "options.temperature must be a finite"),
-    ("/api/generate", {**OLLAMA_GENERATE, "options": {"top_p": 1e-300}}, "options.top_p must be between 1e-09"),
-    ("/v1/chat/completions", {**CHAT, "temperature": 1, "top_p": 1e-300}, "top_p must be between 1e-09"),
+    ("/api/generate", {**OLLAMA_GENERATE, "options": {"top_p": 1.5}}, "options.top_p must be between 0 and 1"),
+    ("/v1/chat/completions", {**CHAT, "temperature": 1, "top_p": -1e-300}, "top_p must be between 0 and 1"),
     ("/v1/messages", {**MESSAGES, "top_p": float("-inf")}, "top_p"),
 ])
 def test_sampling_values_beyond_float32_are_a_400(served, path, body, needle):
@@ -240,6 +240,21 @@ def test_sampling_values_beyond_float32_are_a_400(served, path, body, needle):
 def test_sampling_values_at_the_bounds_are_served(served):
     options = {"num_predict": 2, "temperature": MAX_TEMPERATURE, "top_p": MIN_TOP_P}
     assert post(served[0], "/api/generate", {**OLLAMA_GENERATE, "options": options})[0] == 200
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1e-300, MIN_TOP_P / 2])
+def test_a_vanishing_top_p_is_greedy(served, top_p):
+    """As a vanishing temperature is: the answer is temperature 0's, token for token, at any
+    temperature and seed (float32 turned 1e-300 into 0 and sampling into one token repeated)."""
+    def answer(options):
+        body = {**OLLAMA_GENERATE, "options": {"num_predict": 8, **options}}
+        r = httpx.post(served[0] + "/api/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["response"]
+
+    greedy = answer({"temperature": 0})
+    assert answer({"temperature": 1.5, "top_p": top_p, "seed": 3}) == greedy
+    assert answer({"temperature": 1.5, "top_p": top_p, "seed": 4}) == greedy
 
 
 def test_the_openai_error_names_the_field_as_param(served):

@@ -9,6 +9,7 @@ depth choice reads the measured curve, so it drafts 7 rather than 5 where 8 rows
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,9 +20,49 @@ from .gates import CostModel
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # verify widths of depths 0-8, then sparser
 
 
+class Budget:
+    """The seconds a measurement may still take (None: unbounded). A forward is started only
+    when its estimated time fits, so the whole measurement ends near its budget on a fast GPU
+    and a slow CPU alike."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def fits(self, seconds: float) -> bool:
+        return self.end is None or time.perf_counter() + seconds <= self.end
+
+
+# a bounded measurement spends at most this share of its budget on filling the cache
+PREFILL_SHARE = 0.25
+PREFILL_CHUNK = 8  # tokens a bounded prefill adds at a time
+
+
+def prefill_within(state: ModelState, context: int, vocab: int, budget: Budget,
+                   seconds: float | None) -> int:
+    """Fill STATE with up to CONTEXT tokens (all of them when SECONDS is None), chunk by chunk
+    while the next chunk, timed like the last, fits SECONDS and the budget; returns the length.
+    On a slow CPU a 128-token context cost 20+ s of a 135M model's prefill before any timing."""
+    tokens = [(7 * i) % vocab for i in range(context)]
+    if seconds is None:
+        state.prefill(tokens)
+        return context
+    end = time.perf_counter() + seconds
+    done, last = 0, 0.0
+    while done < context:
+        chunk = tokens[done:done + PREFILL_CHUNK]
+        if done and (time.perf_counter() + last > end or not budget.fits(last)):
+            break
+        t0 = time.perf_counter()
+        state.prefill(chunk)
+        last = time.perf_counter() - t0
+        done += len(chunk)
+    return done
+
+
 def verify_times(
     model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256,
-    warmup_each: bool = False,
+    warmup_each: bool = False, budget_s: float | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[int, list[float]]:
     """Seconds of each of ``reps`` forwards of n tokens over a warm cache of about
     ``context`` tokens, per width n. Each forward keeps its first token, so every call meets a
@@ -34,29 +75,54 @@ def verify_times(
     backwards), not all reps of one width and then the next: a busy host slows a stretch of
     seconds, and timed width by width that stretch bent the curve (one 8B run put verify(5) at
     1.62x a token, the next at 2.15x, and the gate drafted to the bent curve). Interleaved,
-    every width sees the same stretches."""
+    every width sees the same stretches.
+
+    ``budget_s`` bounds the whole measurement: the context is filled with what a quarter of it
+    allows, and a forward runs only when its time (as last measured, or n one-token forwards
+    before that) fits in what is left, so a slow machine measures fewer widths and reps (the
+    widths left out are missing from the result; width 1 is always timed). ``on_progress(done,
+    total)`` follows the forwards."""
+    budget = Budget(budget_s)
     state = ModelState(model)
-    state.prefill([(7 * i) % vocab for i in range(context)])
+    prefill_within(state, context, vocab, budget, None if budget_s is None else budget_s * PREFILL_SHARE)
     order = tuple(dict.fromkeys((1,) + tuple(widths)))
+    total = 1 + len(order) * (reps + (1 if warmup_each else 0))
+    done = 0
 
     def forward(n: int) -> float:
+        nonlocal done
         tokens = mx.array([(3 * i + n) % vocab for i in range(n)], mx.uint32)
         t0 = time.perf_counter()
         mx.eval(state.forward(tokens))
         seconds = time.perf_counter() - t0
         state.rollback_to(state.length - n + 1)  # keep the first token: the cache grows
         state.commit()
+        done += 1
+        if on_progress:
+            on_progress(min(done, total), total)
         return seconds
 
-    forward(1)  # warms up
-    if warmup_each:
-        for n in order:
-            forward(n)
+    one = forward(1)  # warms up
     times: dict[int, list[float]] = {n: [] for n in order}
+
+    def estimate(n: int) -> float:  # as last timed, else as n one-token forwards
+        return max(times[n]) if times[n] else one * n
+
+    if warmup_each:  # an untimed forward of each width; one whose warm-up and timing do not fit is left out
+        kept = []
+        for n in order:
+            if n == 1 or budget.fits(2 * estimate(n)):
+                forward(n)
+                kept.append(n)
+        order = tuple(kept)
     for rep in range(reps):
         for n in (order if rep % 2 == 0 else order[::-1]):
+            if (n != 1 or times[1]) and not budget.fits(estimate(n)):  # one width-1 time always
+                continue
             times[n].append(forward(n))
-    return times
+    if on_progress and done < total:
+        on_progress(total, total)
+    return {n: t for n, t in times.items() if t}
 
 
 def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
@@ -74,17 +140,34 @@ def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
 
 
 def measure_verify_cost(
-    model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 5, vocab: int = 256
+    model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 5, vocab: int = 256,
+    budget_s: float | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> CostModel:
     """Time forwards of each width over a warm cache of ``context`` tokens (a second or two
-    on a large model); widths in between are interpolated by :class:`CostModel`. Each width
-    gets an untimed forward first: MLX's CUDA backend compiles kernels per new shape. The
-    fastest rep counts: on small models, where host-side launch time dominates, timing noise
-    is one-sided and the median of a few reps swung widths by 30-50%."""
-    samples = verify_times(model, widths, context, reps, vocab, warmup_each=True)
+    on a large GPU model); widths in between are interpolated by :class:`CostModel`. On a GPU
+    each width gets an untimed forward first: MLX's CUDA backend compiles kernels per new
+    shape (the CPU backend has nothing to compile). The fastest rep counts: on small models,
+    where host-side launch time dominates, timing noise is one-sided and the median of a few
+    reps swung widths by 30-50%.
+
+    With ``budget_s`` (see :func:`verify_times`) the widths a slow machine could not afford
+    are extrapolated at the slope of the last two measured ones (the CPU pays about per row)."""
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    samples = verify_times(model, widths, context, reps, vocab, warmup_each=on_gpu,
+                           budget_s=budget_s, on_progress=on_progress)
     times = {n: min(s) for n, s in samples.items()}
     base = times[1]
-    return CostModel(curve={n: t / base for n, t in times.items()}, measured=True)
+    curve = {n: t / base for n, t in times.items()}
+    cost = CostModel(curve=curve, measured=True)
+    if set(curve) != set(dict.fromkeys((1,) + tuple(widths))):  # cut short by the budget
+        measured = sorted(curve)
+        if len(measured) >= 2:
+            lo, hi = measured[-2:]
+            cost.slope = max((curve[hi] - curve[lo]) / (hi - lo), 0.0)
+        else:
+            cost.slope = CostModel.default().slope
+        cost.partial = True
+    return cost
 
 
 TREE_WIDTHS = (8, 16, 32)  # draft nodes of the trees timed against chains of as many rows

@@ -29,6 +29,9 @@ class CostModel:
     # None: not measured (tree_step.TreePolicy then assumes 1 for attention-only targets,
     # HYBRID_TREE_FACTOR for hybrids)
     tree_factor: float | None = None
+    # measured within a time budget that left some widths out (costs.measure_verify_cost):
+    # those follow ``slope``, itself measured; `mlxspec tune` measures every width
+    partial: bool = False
 
     def verify(self, n: int) -> float:
         if n in self.curve:

@@ -21,6 +21,7 @@ from ..options import (
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     GREEDY_TEMPERATURE,
+    MIN_TOP_P,
     check_values,
 )
 
@@ -55,7 +56,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE  # a vanishing one too (see options)
+        # a vanishing temperature or top_p too (see options): both keep the top token only
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < MIN_TOP_P
 
     def for_request(self, seed: int | None) -> SamplingParams:
         """These parameters with a random stream of their own (see RandomKeys)."""

@@ -89,6 +89,8 @@ def save_cost(loaded, cost: CostModel) -> Path | None:
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": dict(machine_info()), "model": model_info(loaded),
               "verify_cost": {str(n): round(c, 4) for n, c in sorted(cost.curve.items())}}
+    if cost.partial:  # widths past the measured ones follow this measured slope
+        record["verify_slope"] = round(cost.slope, 4)
     try:
         return save_result(loaded, record)
     except OSError:
@@ -153,7 +155,11 @@ def stored_cost(loaded) -> CostModel | None:
         return None
     factor = (data or {}).get("tree_factor")
     factor = float(factor) if isinstance(factor, (int, float)) and factor > 0 else None
-    return CostModel(curve=curve, measured=True, tree_factor=factor)
+    cost = CostModel(curve=curve, measured=True, tree_factor=factor)
+    slope = (data or {}).get("verify_slope")
+    if isinstance(slope, (int, float)) and not isinstance(slope, bool) and 0 <= slope < 100:
+        cost.slope, cost.partial = float(slope), True
+    return cost
 
 
 def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
