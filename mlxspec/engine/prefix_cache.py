@@ -6,7 +6,8 @@ that drafter's own state over them. Attention-only snapshots serve any prefix of
 a hybrid model's recurrent state exists only where it was taken, so those entries serve exactly
 their own tokens (the engine takes them at reusable points: the end of the conversation before
 the generation prompt, the end of the prompt, the end of the answer). Entries are kept in
-least-recently-used order under a byte budget.
+least-recently-used order under a byte budget, and found through sorted indexes of their
+tokens (:mod:`.prefix_index`).
 
 The budget counts memory really held: an attention snapshot is a view of the live cache's
 buffer, which is allocated in steps (256 tokens) and would stay alive whole behind a short
@@ -16,7 +17,6 @@ them, its drafters' state and its tokens.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -25,25 +25,21 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import Snapshot
+from .prefix_index import SortedSequences, encode
 
 
 @dataclass
 class Entry:
-    tokens: np.ndarray  # the tokens the snapshots hold, in order (counted in nbytes too)
+    tokens: np.ndarray  # the tokens the snapshots hold, in order: a view of ``seq``
     target: Snapshot
     drafters: dict = field(default_factory=dict)  # drafter name -> its snapshot (opaque)
     drafter_bytes: int = 0
+    seq: bytes = b""  # the tokens encoded for the index (prefix_index.encode), counted in nbytes
+    used: int = 0  # when it was last stored or served (PrefixCache's clock)
 
     @property
     def nbytes(self) -> int:
-        return self.target.nbytes + self.drafter_bytes + self.tokens.nbytes
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+        return self.target.nbytes + self.drafter_bytes + len(self.seq)
 
 
 def compact(obj):
@@ -83,10 +79,18 @@ def _nbytes(obj) -> int:
 
 
 class PrefixCache:
-    """Snapshots of recent prompts, most recently used last, at most ``max_bytes`` in all."""
+    """Snapshots of recent prompts, most recently used last, at most ``max_bytes`` in all.
+
+    Lookups go through two sorted indexes (:mod:`.prefix_index`), one of the entries that
+    serve any prefix of their tokens and one of those that serve exactly their own, so neither
+    a lookup nor a store reads every entry."""
 
     def __init__(self, max_bytes: int):
-        self._entries: OrderedDict[bytes, Entry] = OrderedDict()
+        self._entries: OrderedDict[bytes, Entry] = OrderedDict()  # by encoded tokens, LRU first
+        self._trimmable: SortedSequences[Entry] = SortedSequences()
+        self._exact: SortedSequences[Entry] = SortedSequences()
+        self._bytes = 0
+        self._uses = 0  # a clock for ties: the entry used last wins
         self._lock = threading.Lock()  # the server's worker and a client thread may both look
         self.hits = self.misses = 0
         self.max_bytes = max_bytes
@@ -103,66 +107,77 @@ class PrefixCache:
             self._evict()
 
     def _evict(self) -> None:
-        total = sum(e.nbytes for e in self._entries.values())
-        while self._entries and total > self._max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            total -= evicted.nbytes
+        while self._entries and self._bytes > self._max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, seq: bytes) -> None:
+        entry = self._entries.pop(seq)
+        (self._trimmable if entry.target.trimmable else self._exact).remove(seq)
+        self._bytes -= entry.nbytes
+
+    def _use(self, entry: Entry) -> None:
+        self._uses += 1
+        entry.used = self._uses
+        self._entries.move_to_end(entry.seq)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        return self._bytes
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._trimmable, self._exact, self._bytes = SortedSequences(), SortedSequences(), 0
 
     def lookup(self, tokens: list[int], limit: int) -> tuple[Entry, int] | None:
         """The entry serving the longest prefix of TOKENS (at most ``limit`` tokens) and that
-        length; None when nothing is reusable."""
-        want = np.asarray(tokens[:limit], dtype=np.int64)
-        best: tuple[Entry, int] | None = None
+        length (of equals, the one used last); None when nothing is reusable. An entry whose
+        recurrent state exists only at its own end serves only when it is a prefix whole."""
+        want = encode(tokens[:limit])
         with self._lock:
-            for key, entry in reversed(self._entries.items()):  # newest first wins ties
-                n = common_prefix(entry.tokens, want)
-                if not entry.target.trimmable and n < len(entry.tokens):
-                    continue  # recurrent state exists only at its own end
-                n = min(n, entry.target.length)
-                if n > 0 and (best is None or n > best[1]):
-                    best = (entry, n, key)
-            if best is None:
+            found = [(e, n) for e, n in self._trimmable.neighbours(want) if n > 0]
+            exact = next(self._exact.prefixes_of(want), None)
+            if exact is not None:
+                found.append((exact, len(exact.tokens)))
+            if not found:
                 self.misses += 1
                 return None
-            self._entries.move_to_end(best[2])
+            entry, n = max(found, key=lambda found: (found[1], found[0].used))
+            self._use(entry)
             self.hits += 1
-        return best[0], best[1]
+        return entry, min(n, entry.target.length)
 
     def store(self, tokens: list[int], target: Snapshot | None, drafter: str | None = None,
               drafter_state=None) -> None:
         """Keep TARGET (the target's cache over TOKENS) and the drafter's state with it."""
         if target is None or self.max_bytes == 0 or target.length == 0:
             return
-        arr = np.asarray(tokens[: target.length], dtype=np.int64)
-        key = hashlib.blake2b(arr.tobytes(), digest_size=16).digest()  # small: the tokens are kept once
+        seq = encode(tokens[: target.length])
         target = compact(target)
         if drafter_state is not None:
             drafter_state = compact(drafter_state)
         mx.eval(_arrays(target) + _arrays(drafter_state))  # copy now: the views' buffers can go
         with self._lock:
-            old = self._entries.pop(key, None)
-            entry = Entry(arr, target, dict(old.drafters) if old else {})
+            old = self._entries.get(seq)
+            entry = Entry(np.frombuffer(seq, dtype=">u4"), target, dict(old.drafters) if old else {}, seq=seq)
             if drafter is not None and drafter_state is not None:
                 entry.drafters[drafter] = drafter_state
             entry.drafter_bytes = sum(_nbytes(s) for s in entry.drafters.values())
+            if old is not None:
+                self._drop(seq)
             if entry.nbytes > self.max_bytes:
                 return
             if target.trimmable:  # it serves every prefix of its tokens: drop those entries
-                for k in [k for k, e in self._entries.items()
-                          if len(e.tokens) <= len(arr) and common_prefix(e.tokens, arr) == len(e.tokens)]:
-                    del self._entries[k]
-            self._entries[key] = entry
+                for index in (self._trimmable, self._exact):
+                    for covered in list(index.prefixes_of(seq)):
+                        self._drop(covered.seq)
+            self._entries[seq] = entry
+            (self._trimmable if target.trimmable else self._exact).add(seq, entry)
+            self._bytes += entry.nbytes
+            self._use(entry)
             self._evict()
 
     def stats(self) -> dict:
