@@ -12,7 +12,8 @@ import pytest
 pytest.importorskip("gguf")
 import gguf_writer  # noqa: E402
 from mlxspec.errors import InvalidCheckpointError, UsageError  # noqa: E402
-from mlxspec.models.gguf import cached_conversion, convert_gguf  # noqa: E402
+from mlxspec.models.gguf import convert_gguf  # noqa: E402
+from mlxspec.models.gguf_cache import cached_conversion  # noqa: E402
 
 KEY_LENGTH = "llama.attention.key_length"
 
@@ -42,7 +43,13 @@ def _rewrite(source, out, metadata=None, drop=(), replace=None):
         sub = {"sub_type": field.types[-1]} if vtype == gguf.GGUFValueType.ARRAY else {}
         writer.add_key_value(field.name, field.contents(), vtype, **sub)
     for key, value in metadata.items():
-        if value is not None:
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, int) and value >= 1 << 32:
+            writer.add_uint64(key, value)
+        elif value is not None:
             writer.add_uint32(key, value)
     for tensor in reader.tensors:
         if tensor.name not in drop:
@@ -87,6 +94,23 @@ METADATA_CASES = {
     "feed_forward_length 100": ({"llama.feed_forward_length": 100}, (),
                                 r"'blk\.0\.ffn_down\.weight' is 64 x 128 .*feed_forward_length 100.* implies 64 x 100"),
     "no output_norm": ({}, ("output_norm.weight",), r"has no output_norm\.weight tensor"),
+    # values the config takes as they are: zero or absurd context, a vocabulary that disagrees
+    "context_length 0": ({"llama.context_length": 0}, (),
+                         r"llama\.context_length 0; it must be a number of tokens from 1 to 16,777,216"),
+    "context_length 2**32-1": ({"llama.context_length": (1 << 32) - 1}, (), r"context_length 4294967295; it must"),
+    "context_length 2**40": ({"llama.context_length": 1 << 40}, (), r"context_length 1099511627776; it must"),
+    "sliding_window 0": ({"llama.attention.sliding_window": 0}, (), r"sliding_window 0; it must be a number"),
+    "rope.freq_base 0": ({"llama.rope.freq_base": 0.0}, (), r"llama\.rope\.freq_base 0\.0; it must be a positive"),
+    "rms epsilon nan": ({"llama.attention.layer_norm_rms_epsilon": float("nan")}, (),
+                        r"layer_norm_rms_epsilon nan; it must be a number between 0 and 1"),
+    "vocab_size 1000": ({"llama.vocab_size": 1000}, (),
+                        r"llama\.vocab_size 1000 but tensor 'token_embd\.weight' has 512 rows"),
+    "tokens 500": ({"tokenizer.ggml.tokens": [f"t{i}" for i in range(500)]}, (),
+                   r"the tokenizer has 500 tokens \(tokenizer\.ggml\.tokens\) but tensor 'token_embd\.weight' "
+                   r"has 512 rows"),
+    "token_type 10": ({"tokenizer.ggml.token_type": [1] * 10}, (), r"tokenizer\.ggml\.token_type of 10 values for 512"),
+    "eos id 1000000": ({"tokenizer.ggml.eos_token_id": 1_000_000}, (),
+                       r"tokenizer\.ggml\.eos_token_id 1000000, not a token of its 512"),
 }
 
 
@@ -95,6 +119,20 @@ def test_metadata_contradicting_the_tensors_is_one_line(tmp_path, valid_gguf, ca
     metadata, drop, expected = METADATA_CASES[case]
     bad = _rewrite(valid_gguf, tmp_path / "bad.gguf", metadata, drop)
     _refused(tmp_path, bad, expected)
+
+
+def test_output_rows_other_than_the_embeddings_are_one_line(tmp_path, valid_gguf):
+    bad = _rewrite(valid_gguf, tmp_path / "bad.gguf", replace={"output.weight": np.zeros((500, 64), np.float32)})
+    _refused(tmp_path, bad, r"'output\.weight' has 500 rows \(tokens\) but 'token_embd\.weight' has 512")
+
+
+def test_run_of_a_huge_context_length_leaves_no_cache_entry(tmp_path, valid_gguf, monkeypatch):
+    """A lying context_length is refused before anything is converted, not clamped and kept."""
+    bad = _rewrite(valid_gguf, tmp_path / "bad.gguf", {"llama.context_length": 1 << 40})
+    monkeypatch.setenv("MLXSPEC_GGUF_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(InvalidCheckpointError, match="context_length 1099511627776"):
+        cached_conversion(bad)
+    assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
 
 
 @pytest.mark.parametrize("shape", [(0, 64), (1 << 40, 0)])

@@ -30,6 +30,7 @@ def fake_hub(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("MLXSPEC_GGUF_CACHE", str(tmp_path / "gguf_cache"))  # `list` shows its conversions too
     for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                  "MLXSPEC_DEFAULT_MODEL"):
         monkeypatch.delenv(name, raising=False)

@@ -6,6 +6,7 @@ They register on the one Typer app of :mod:`mlxspec.cli`, which imports this mod
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -31,13 +32,13 @@ as they are, other quantized types are re-quantized to MLX 4- or 8-bit.
 """)
 
 
-def _convert_gguf(source: str, out: str, force: bool, status) -> None:
+def _convert_gguf(source: str, out: str, force: bool, status, dtype: Optional[str] = None) -> None:
     from ..models.gguf import convert_gguf
     from ..models.loader import gguf_source
     from ..units import human_bytes
 
     path = gguf_source(source)
-    result = convert_gguf(path, out, force=force,
+    result = convert_gguf(path, out, force=force, dtype=dtype,
                           on_step=(lambda message: status.update(message + "…")) if status else None)
     for note in result.notes:
         print_note(note)
@@ -66,7 +67,8 @@ def convert(
         "--q-group-size", help="Quantization group size: 32, 64 or 128.")] = 64,
     dtype: Annotated[Optional[str], typer.Option(
         "--dtype", help="bfloat16, float16 or float32 for the unquantized tensors "
-                        "(default: the checkpoint's own dtype, as mlx-lm picks it).",
+                        "(default: the checkpoint's own dtype, as mlx-lm picks it; a GGUF's "
+                        "float16 beside quantized tensors). For a GGUF, quantization scales too.",
         show_default=False)] = None,
     mtp_bits: Annotated[Optional[int], typer.Option(
         "--mtp-bits", help="Bits for the MTP head's linear weights (default: as --q-bits); "
@@ -75,18 +77,19 @@ def convert(
         "--force", help="Replace OUT if it exists and is not empty.")] = False,
 ) -> None:
     with user_errors():
-        from ..models.convert import convert_checkpoint
+        from ..models.convert import DTYPES, convert_checkpoint
         from ..units import human_bytes
 
         console = stderr_console()
         status = console.status("starting…", spinner="dots") if console.is_terminal else None
         if _is_gguf_ref(hf_path):
-            given = [flag for flag, value in (("--q-bits", q_bits), ("--dtype", dtype), ("--mtp-bits", mtp_bits))
-                     if value is not None]
+            given = [flag for flag, value in (("--q-bits", q_bits), ("--mtp-bits", mtp_bits)) if value is not None]
             if given:
                 raise UsageError(f"{given[0]} does not apply to a GGUF source: its quantization is kept")
+            if dtype is not None and dtype not in DTYPES:
+                raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype}")
             with status if status else contextlib.nullcontext():
-                _convert_gguf(hf_path, out, force, status)
+                _convert_gguf(hf_path, out, force, status, dtype)
             return
         with status if status else contextlib.nullcontext():
             result = convert_checkpoint(
@@ -261,7 +264,72 @@ def _list_stores(ollama: bool, lmstudio: bool, json_out: bool) -> None:
         print_note("run one with `mlxspec run MODEL` (converted once into mlxspec's cache; the store is not changed)")
 
 
-@app.command(name="list")
+def _conversion_rows() -> list[dict]:
+    """The GGUF conversions in mlxspec's cache as list rows (kind "gguf"; repo_id None)."""
+    from ..hub import describe
+    from ..models.gguf_cache import list_conversions
+    from ..units import human_bytes
+
+    rows = []
+    for conversion in list_conversions():
+        try:
+            config = json.loads((conversion.path / "config.json").read_text(encoding="utf-8"))
+            config = config if isinstance(config, dict) else {}
+        except (OSError, ValueError):
+            config = {}
+        size = conversion.size_bytes
+        row = {"kind": "gguf", "repo_id": None, "name": conversion.name, "source": conversion.source,
+               "sources": conversion.sources, "sha256": conversion.sha256,
+               "converted": conversion.converted.isoformat() if conversion.converted else None,
+               "size_bytes": size, "size": human_bytes(size), "path": str(conversion.path)}
+        row.update(describe(conversion.path, config) if config else
+                   {"architecture": None, "quantization": None, "mtp": False, "context_length": None,
+                    "drafter": None})
+        rows.append(row)
+    return rows
+
+
+def _conversions_table(rows: list) -> None:
+    from rich.table import Table
+
+    from ..hub import display_path
+    from ..models.gguf_cache import gguf_cache_dir
+
+    table = Table(show_edge=False, pad_edge=False, title_justify="left",
+                  title=f"GGUF conversions ({display_path(gguf_cache_dir())})")
+    for column, justify in (("NAME", "left"), ("SOURCE", "left"), ("SIZE", "right"), ("ARCH", "left"),
+                            ("QUANT", "left"), ("CONVERTED", "left")):
+        wraps = column in ("NAME", "SOURCE")  # folded where they must: both are long, both matter
+        table.add_column(column, justify=justify, no_wrap=not wraps, overflow="fold" if wraps else "ellipsis",
+                         min_width=24 if wraps else None)
+    for row in rows:
+        quant = row["quantization"]
+        sources = row["sources"] or [row["source"] + " (path not recorded)"]
+        shown = [display_path(Path(s)) if s.startswith("/") else s for s in sources]
+        when = "?"
+        if row["converted"]:
+            from datetime import datetime
+
+            when = datetime.fromisoformat(row["converted"]).astimezone().strftime("%Y-%m-%d %H:%M")
+        table.add_row(row["name"], "\n".join(shown), row["size"], row["architecture"] or "?",
+                      f"{quant['bits']}-bit/g{quant['group_size']}" if quant else "-", when)
+    stdout_console().print(table)
+
+
+LIST_HELP = help_text("""
+List the models mlxspec can run without downloading: the Hugging Face cache (size,
+architecture, drafters marked: a DFlash drafter, a Gemma-4 assistant; quantization, MTP head,
+context), then the GGUF files converted into mlxspec's cache by `mlxspec run FILE.gguf` or
+`mlxspec run ollama:NAME` (each with its sources: the file path or ollama:NAME:TAG, its size
+and when it was converted; one conversion per file content, whatever the names it was run by).
+
+--json prints one list of objects: Hugging Face models have "kind": "hf" and a "repo_id", GGUF
+conversions "kind": "gguf", a "name" (what `mlxspec rm` takes), "source", "sources", "sha256"
+and "converted". --ollama and --lmstudio list those stores instead.
+""")
+
+
+@app.command(name="list", help=LIST_HELP)
 def list_models(
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON list of objects.")] = False,
     show_catalog: Annotated[bool, typer.Option(
@@ -271,8 +339,6 @@ def list_models(
     lmstudio: Annotated[bool, typer.Option(
         "--lmstudio", help="List the GGUF models in LM Studio's store (~/.lmstudio/models).")] = False,
 ) -> None:
-    """List the models in the Hugging Face cache: size, architecture (drafters marked: a DFlash
-    drafter, a Gemma-4 assistant), quantization, MTP head, context."""
     with user_errors():
         from .. import hub
 
@@ -289,34 +355,66 @@ def list_models(
                     extra = ", MTP head" if row["mtp"] else (f", draft: {row['draft']}" if row["draft"] else "")
                     sys.stdout.write(f"{row['alias']:<14} {row['repo_id']}{extra}\n")
             return
-        rows = hub.list_models()
+        rows = [{"kind": "hf", **row} for row in hub.list_models()]
+        conversions = _conversion_rows()
         if json_out:
-            sys.stdout.write(json.dumps(rows) + "\n")
-        elif not rows:
-            print_note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
-                  "download one with `mlxspec pull MODEL`")
-        else:
+            sys.stdout.write(json.dumps(rows + conversions) + "\n")
+            return
+        if rows:
             _list_table(rows)
+        elif not conversions:
+            print_note(f"no models in the Hugging Face cache ({hub.display_path(hub.hf_cache_dir())}); "
+                       "download one with `mlxspec pull MODEL`, or run a GGUF file with `mlxspec run FILE.gguf`")
+        if conversions:
+            if rows:
+                stdout_console().print()
+            _conversions_table(conversions)
 
 
-@app.command(name="rm")
+RM_HELP = help_text("""
+Remove MODEL from the cache it is in and say how much space that freed.
+
+A repo id or catalog alias removes every cached revision from the Hugging Face cache. A GGUF
+conversion in mlxspec's cache is removed by the name `mlxspec list` shows, by its GGUF file's
+path (the file itself is never touched) or by its ollama:NAME[:TAG] name (Ollama's store is not
+touched either); the next `mlxspec run` of that GGUF converts it again.
+""")
+
+
+@app.command(name="rm", help=RM_HELP)
 def remove_model(
     model: Annotated[str, typer.Argument(
         metavar="MODEL", show_default=False, autocompletion=complete_model,
-        help="Cached repo id or catalog alias.")],
+        help="Cached repo id or catalog alias; or a GGUF conversion: its listed name, GGUF file path "
+             "or ollama:NAME[:TAG].")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Remove MODEL (every cached revision) from the Hugging Face cache."""
     with user_errors():
-        from ..hub import plan_removal
         from ..units import human_bytes
 
-        plan = plan_removal(model)
+        label, freed, execute = _removal(model)
         if not yes:
             if not sys.stdin.isatty():
-                raise UsageError(f"removing {plan.repo_id} needs confirmation: pass --yes")
-            if not typer.confirm(f"remove {plan.repo_id} ({human_bytes(plan.freed_bytes)})?", default=False):
+                raise UsageError(f"removing {label} needs confirmation: pass --yes")
+            if not typer.confirm(f"remove {label} ({human_bytes(freed)})?", default=False):
                 raise typer.Exit(1)
-        plan.execute()
-        sys.stdout.write(f"removed {plan.repo_id}, freed {human_bytes(plan.freed_bytes)}\n")
+        execute()
+        sys.stdout.write(f"removed {label}, freed {human_bytes(freed)}\n")
         sys.stdout.flush()
+
+
+def _removal(model: str):
+    """(what is removed, in words; bytes freed; the function that removes it) for MODEL."""
+    from ..errors import ModelNotFoundError
+    from ..hub import display_path, plan_removal
+    from ..models.gguf_cache import find_conversion, gguf_cache_dir, remove_conversion
+
+    conversion = find_conversion(model)
+    if conversion is not None:
+        label = f"the GGUF conversion {conversion.name} (of {conversion.source})"
+        return label, conversion.size_bytes, lambda: remove_conversion(conversion)
+    if _is_gguf_ref(model):
+        raise ModelNotFoundError(f"no conversion of '{model.strip()}' in mlxspec's GGUF cache "
+                                 f"({display_path(gguf_cache_dir())}); see `mlxspec list`")
+    plan = plan_removal(model)
+    return plan.repo_id, plan.freed_bytes, plan.execute

@@ -8,20 +8,23 @@
   as ``1 + w``: mlx-lm's Gemma adds the 1 itself, so it is taken off.
 * Quantized tensors stay quantized: Q4_0 / Q4_1 / Q8_0 exactly, other types (K-quants, ...)
   re-quantized to MLX affine with a note saying so (:mod:`gguf_weights`).
+* The metadata is checked against the tensors (and held within bounds) before anything is
+  written (:mod:`gguf_checks`); `run FILE.gguf` converts once per file content into mlxspec's
+  cache (:mod:`gguf_cache`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InvalidCheckpointError, UsageError
-from .gguf_checks import check_tensors_match_metadata
+from .gguf_checks import check_metadata_values, check_tensors_match_metadata, check_vocabulary
 from .gguf_file import GGUFHeader, read_header
 from .gguf_tokenizer import eos_token_ids, write_tokenizer
 from .gguf_weights import read_weights
@@ -30,7 +33,6 @@ from .staging import staged_folder
 # general.architecture -> mlx-lm model_type
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                  "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text"}
-CACHE_ENV = "MLXSPEC_GGUF_CACHE"
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {
@@ -188,8 +190,13 @@ def _module_quantization(quantized: dict, arch: str) -> dict | None:
 
 
 def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bool = False,
-                 on_step: Callable[[str], None] | None = None) -> GGUFConvertResult:
-    """Convert the GGUF file SOURCE into OUT, an mlx-lm checkpoint folder. One-line errors."""
+                 on_step: Callable[[str], None] | None = None,
+                 side_files: dict[str, dict] | None = None, dtype: str | None = None) -> GGUFConvertResult:
+    """Convert the GGUF file SOURCE into OUT, an mlx-lm checkpoint folder. One-line errors.
+    DTYPE (e.g. "float32"): every floating tensor, quantization scales included, in that type;
+    None: float16 beside quantized tensors, else as stored.
+    SIDE_FILES (file name: record; the cache's source record): written beside the checkpoint as
+    JSON, in the same step, each with the time of the conversion."""
     step = on_step or (lambda _message: None)
     source = Path(source).expanduser()
     name = f"'{source.name}'"
@@ -197,6 +204,8 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
     step(f"reading {source.name}")
     header = read_header(source)
     config = _config(header, name)
+    check_metadata_values(header, name)
+    check_vocabulary(header, name)
     check_tensors_match_metadata(header, config, name)
     _check_mlx_lm(config, name)
     arch = header.architecture
@@ -206,8 +215,8 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
     result = GGUFConvertResult(out=out, architecture=arch, model_type=config["model_type"], types=types)
 
     step("reading the tensors")
-    float_dtype = None if header.types() <= {"F32", "F16", "BF16"} else "float16"
-    weights = read_weights(header, name, float_dtype)
+    float_dtype = dtype or (None if header.types() <= {"F32", "F16", "BF16"} else "float16")
+    weights = read_weights(header, name, float_dtype, cast_scales=dtype is not None)
     tensors, unknown = {}, []
     for key, value in weights.tensors.items():
         if key.rsplit(".", 1)[0] + ".weight" in _DROPPED:
@@ -237,6 +246,10 @@ def convert_gguf(source: str | os.PathLike, out: str | os.PathLike, *, force: bo
             staging.mkdir()
             step("writing the MLX checkpoint")
             _write(staging, config, tensors, header)
+            converted = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            for file_name, record in (side_files or {}).items():
+                (staging / file_name).write_text(json.dumps({**record, "converted": converted}, indent=1),
+                                                 encoding="utf-8")
     except OSError as err:
         raise UsageError(f"cannot write the checkpoint to '{out}': {err.strerror or err}") from None
     return result
@@ -272,38 +285,3 @@ def _write(folder: Path, config: dict, tensors: dict, header: GGUFHeader) -> Non
     mx.eval(tensors)
     mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "mlx"})
 
-
-# -- run FILE.gguf: converted once into the cache ------------------------------------------
-
-
-def gguf_cache_dir() -> Path:
-    env = os.environ.get(CACHE_ENV, "").strip()
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("mlxspec")) / "gguf"
-
-
-def cached_conversion(source: str | os.PathLike, on_step: Callable[[str], None] | None = None) -> Path:
-    """The mlx-lm folder converted from the GGUF file SOURCE, converting it on first use.
-    Keyed by the file's resolved path, size and modification time: a changed file converts again."""
-    path = Path(source).expanduser()
-    try:  # a name too long for the file system is OSError here, not a missing file
-        if not path.is_file():
-            raise InvalidCheckpointError(f"GGUF file '{source}' does not exist")
-        path = path.resolve()
-        stat = path.stat()
-        key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    except OSError as err:
-        raise InvalidCheckpointError(f"cannot use GGUF file '{source}': {err.strerror or err}") from None
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem)[:80] or "model"
-    folder = gguf_cache_dir() / f"{stem}-{key}"
-    try:  # the cache folder comes from MLXSPEC_GGUF_CACHE: it can be unusable too
-        if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
-            return folder
-    except OSError as err:
-        raise UsageError(f"cannot use the GGUF cache '{folder.parent}' (${CACHE_ENV}): "
-                         f"{err.strerror or err}") from None
-    convert_gguf(path, folder, force=True, on_step=on_step)
-    return folder

@@ -9,6 +9,7 @@ line naming the metadata key and the two numbers.
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import InvalidCheckpointError
@@ -18,6 +19,86 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # present in every block of every supported architecture
 CORE_BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                       "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# the longest context a model may declare: above every released model (10M), and low enough
+# that a lying value cannot size a cache or a mask into the terabytes
+MAX_CONTEXT = 1 << 24
+# tokenizer.ggml.* ids that index the vocabulary
+# (padding and unknown ids out of range are dropped: tokenizer_config names no such token)
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_metadata_values(header: GGUFHeader, name: str) -> None:
+    """The metadata values the config takes as they are, in range: context length (zero or
+    absurd: refused, not clamped), rotary base, norm epsilon, scaling factors, sliding window."""
+    p = header.architecture + "."
+    meta = header.metadata
+    context = meta.get(p + "context_length")
+    if context is not None and not (_is_int(context) and 0 < context <= MAX_CONTEXT):
+        raise InvalidCheckpointError(
+            f"{name} has {p}context_length {context!r}; it must be a number of tokens from 1 to {MAX_CONTEXT:,}")
+    window = meta.get(p + "attention.sliding_window")
+    if window is not None and not (_is_int(window) and 0 < window <= MAX_CONTEXT):
+        raise InvalidCheckpointError(
+            f"{name} has {p}attention.sliding_window {window!r}; it must be a number of tokens from 1 "
+            f"to {MAX_CONTEXT:,}")
+    # key -> (lowest allowed, exclusive; highest allowed, exclusive)
+    bounds = {"rope.freq_base": (0, math.inf), "attention.layer_norm_rms_epsilon": (0, 1),
+              "rope.scaling.factor": (0, math.inf), "attn_logit_softcapping": (0, math.inf),
+              "final_logit_softcapping": (0, math.inf)}
+    for key, (low, high) in bounds.items():
+        value = meta.get(p + key)
+        if value is not None and not (_is_number(value) and low < value < high):
+            allowed = "a positive number" if high == math.inf else f"a number between {low} and {high}"
+            raise InvalidCheckpointError(f"{name} has {p}{key} {value!r}; it must be {allowed}")
+
+
+def check_vocabulary(header: GGUFHeader, name: str) -> None:
+    """One vocabulary size everywhere: the token embedding's rows, the output head's rows,
+    ``{arch}.vocab_size`` and the tokenizer's token list (llama.cpp refuses a file where they
+    differ); the special-token ids inside it. A token id past the embedding reads memory that
+    is not the model's."""
+    p = header.architecture + "."
+    meta = header.metadata
+    embed = header.tensors.get("token_embd.weight")
+    if embed is None:
+        raise InvalidCheckpointError(f"{name} has no token_embd.weight tensor")
+    rows = embed.shape[0]
+    output = header.tensors.get("output.weight")
+    if output is not None and output.shape[0] != rows:
+        raise InvalidCheckpointError(
+            f"{name}: tensor 'output.weight' has {output.shape[0]:,} rows (tokens) but 'token_embd.weight' "
+            f"has {rows:,}")
+    declared = meta.get(p + "vocab_size")
+    if declared is not None and declared != rows:
+        raise InvalidCheckpointError(
+            f"{name} has {p}vocab_size {declared!r} but tensor 'token_embd.weight' has {rows:,} rows (tokens)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise InvalidCheckpointError(
+            f"{name} has no tokenizer vocabulary (tokenizer.ggml.tokens, a list of strings)")
+    if len(tokens) != rows:
+        raise InvalidCheckpointError(
+            f"{name}: the tokenizer has {len(tokens):,} tokens (tokenizer.ggml.tokens) but tensor "
+            f"'token_embd.weight' has {rows:,} rows")
+    for key in ("token_type", "scores"):
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
+            count = f"{len(values):,} values" if isinstance(values, list) else repr(values)
+            raise InvalidCheckpointError(
+                f"{name} has tokenizer.ggml.{key} of {count} for {len(tokens):,} tokens")
+    for key in TOKEN_ID_KEYS:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and not (_is_int(value) and 0 <= value < len(tokens)):
+            raise InvalidCheckpointError(
+                f"{name} has tokenizer.ggml.{key} {value!r}, not a token of its {len(tokens):,}")
 
 
 def check_heads(header: GGUFHeader, config: dict, name: str) -> None:

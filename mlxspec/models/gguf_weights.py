@@ -35,8 +35,10 @@ def _one_line(err: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def read_weights(header: GGUFHeader, name: str, float_dtype: str | None) -> GGUFWeights:
-    """All tensors of HEADER's file; FLOAT_DTYPE (e.g. "float16") casts unquantized floats."""
+def read_weights(header: GGUFHeader, name: str, float_dtype: str | None,
+                 cast_scales: bool = False) -> GGUFWeights:
+    """All tensors of HEADER's file; FLOAT_DTYPE (e.g. "float16") casts unquantized floats, and
+    with CAST_SCALES the quantized tensors' scales and biases too."""
     if header.types() <= NATIVE_TYPES:
         weights = _read_native(header, name)
     else:
@@ -46,7 +48,7 @@ def read_weights(header: GGUFHeader, name: str, float_dtype: str | None) -> GGUF
 
         target = getattr(mx, float_dtype)
         for key, value in weights.tensors.items():
-            if mx.issubdtype(value.dtype, mx.floating) and not key.endswith((".scales", ".biases")):
+            if mx.issubdtype(value.dtype, mx.floating) and (cast_scales or not key.endswith((".scales", ".biases"))):
                 weights.tensors[key] = value.astype(target)
     return weights
 

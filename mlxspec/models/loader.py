@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import InvalidCheckpointError, ModelNotFoundError
 from .attention_only import fix_loaded
-from .stores import is_store_ref, resolve_store_ref
+from .stores import is_store_ref, ollama_suggestion, resolve_store_ref
 
 # the files mlx-lm itself reads from a snapshot (mlx_lm.utils.DEFAULT_ALLOW_PATTERNS); a cached
 # snapshot only has to be complete for these, not for READMEs or PyTorch weights
@@ -148,9 +148,9 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
         return _demo()
     source = gguf_source(ref)
     if source is not None:  # converted once into mlxspec's cache, then loaded from there
-        from .gguf import cached_conversion
+        from .gguf_cache import cached_conversion
 
-        return cached_conversion(source), ref if is_store_ref(ref) else source.name, False
+        return cached_conversion(source, ref=ref), ref if is_store_ref(ref) else source.name, False
     path = Path(ref).expanduser()
     if path.is_dir():
         return path.resolve(), path.resolve().name, False
@@ -159,6 +159,11 @@ def resolve_model(ref: str | None) -> tuple[Path, str, bool]:
     if _looks_like_path(ref):
         raise ModelNotFoundError(f"model folder '{ref}' does not exist")
     folder = _from_hf_cache(ref)
+    meant = ollama_suggestion(ref) if folder is None else None
+    if meant:  # an Ollama name without its prefix
+        raise ModelNotFoundError(
+            f"model '{ref}' is not a local folder and is not in the Hugging Face cache; did you mean "
+            f"{meant}? (Ollama's models take the prefix: `mlxspec run {meant}`)")
     if folder is None:
         raise ModelNotFoundError(
             f"model '{ref}' is not a local folder and is not in the Hugging Face cache "
@@ -190,7 +195,10 @@ def _gguf_path(ref: str) -> Path | None:
 
 def is_model_ref(ref: str) -> bool:
     """Whether ``ref`` names a model (folder, cached repo id, demo, GGUF file or store model) —
-    the CLI's one-argument rule. Converts nothing."""
+    the CLI's one-argument rule. Converts nothing. An Ollama NAME:TAG given without ``ollama:``
+    counts too: it is meant as a model, and loading it fails saying which prefix it needs."""
+    if ollama_suggestion(ref.strip()) is not None and not Path(ref.strip()).expanduser().exists():
+        return True
     try:
         if gguf_source(ref.strip()) is not None:
             return True

@@ -99,11 +99,34 @@ def manifest_root(manifest: Path) -> Path:
     return manifest.parent
 
 
+def ollama_display(name: str) -> str:
+    """NAME[:TAG] in full, as `mlxspec list --ollama` shows it: ollama:NAME:TAG (tag latest
+    when none is given; registry.ollama.ai/library/ left out)."""
+    return _ollama_parts(name)[1]
+
+
+def _ollama_tags(model_dir: Path) -> list[str]:
+    """The tags of one model folder under manifests/ that name a model blob, sorted."""
+    try:
+        manifests = sorted(p for p in model_dir.iterdir() if p.is_file())
+    except OSError:
+        return []
+    return [p.name for p in manifests if _ollama_blob(p) is not None]
+
+
 def resolve_ollama(name: str) -> Path:
-    """The GGUF blob of Ollama model NAME[:TAG]; ModelNotFoundError (one line) when absent."""
+    """The GGUF blob of Ollama model NAME[:TAG]; ModelNotFoundError (one line) when absent,
+    naming the tags the model has when it has others."""
     rel, display = _ollama_parts(name)
     manifest = ollama_dir() / "manifests" / rel
     if not manifest.is_file():
+        tags = _ollama_tags(manifest.parent)
+        if tags:
+            base = display.rpartition(":")[0]
+            shown = ", ".join(tags[:8]) + (f" and {len(tags) - 8} more" if len(tags) > 8 else "")
+            raise ModelNotFoundError(
+                f"{display} is not in Ollama's store ({ollama_dir()}); {base} has the tag"
+                f"{'s' * (len(tags) > 1)} {shown}: e.g. `mlxspec run {base}:{tags[0]}`")
         raise ModelNotFoundError(
             f"{display} is not in Ollama's store ({ollama_dir()}); see `mlxspec list --ollama`")
     found = _ollama_blob(manifest)
@@ -158,3 +181,18 @@ def list_lmstudio() -> list[StoredModel]:
             rel = "/".join(path.relative_to(root).parts)
             found.append(StoredModel(f"{LMSTUDIO_PREFIX}{rel}", path, path.stat().st_size))
     return found
+
+
+def ollama_suggestion(ref: str) -> str | None:
+    """ollama:REF when REF, given without the prefix (`mlxspec run smollm2:135m`), is a model in
+    Ollama's store; None otherwise (and for anything that is no Ollama name). Only NAME:TAG:
+    without a tag, a word is a Hugging Face repo name or a prompt."""
+    if ":" not in ref or is_store_ref(ref) or ref.startswith(("/", ".", "~")) or ref.lower().endswith(".gguf"):
+        return None
+    try:
+        rel, display = _ollama_parts(ref)
+        manifest = ollama_dir() / "manifests" / rel
+        found = manifest.is_file() and _ollama_blob(manifest)
+        return display if found and found[0].is_file() else None
+    except (ModelNotFoundError, OSError, ValueError):  # a prompt: any text at all
+        return None
