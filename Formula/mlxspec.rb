@@ -2,9 +2,10 @@ class Mlxspec < Formula
   include Language::Python::Virtualenv
 
   desc "Exact speculative decoding for MLX: prompt lookup, draft models, MTP heads"
-  homepage "https://pypi.org/project/mlxspec/"
-  # Rewritten for each release by scripts/update_formula.py (url, sha256 and every resource)
-  url "https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-0.1.0.tar.gz"
+  homepage "https://github.com/OWNER/mlxspec"
+  # Rewritten for each release by scripts/update_formula.py (url, sha256 and every resource): the
+  # release's sdist, attached to its GitHub release (PyPI's hashed address once it is on PyPI)
+  url "https://github.com/OWNER/mlxspec/releases/download/v0.1.0/mlxspec-0.1.0.tar.gz"
   sha256 "8fe081777c72154d6d42ea7d5ab807ebe74b60741704d3464895394ff8e6ec67"
   license "MIT"
 
@@ -251,6 +252,21 @@ class Mlxspec < Formula
     keep_alive true
     log_path var/"log/mlxspec.log"
     error_log_path var/"log/mlxspec.log"
+  end
+
+  def caveats
+    <<~EOS
+      `brew services start mlxspec` runs `mlxspec serve` on http://127.0.0.1:8000 (log:
+      #{var}/log/mlxspec.log). With no default model set it serves mlxspec's small built-in
+      demo model: fast, but its answers are not meaningful. To serve a real model, download it
+      once, make it the default and restart the service:
+        mlxspec pull qwen3-0.6b
+        # at the top of the file `mlxspec config path` prints:
+        default_model = "qwen3-0.6b"
+        brew services restart mlxspec
+      `port` and `host` under `[server]` in that file change the address; `mlxspec config show`
+      prints the settings in effect.
+    EOS
   end
 
   test do

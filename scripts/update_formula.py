@@ -12,6 +12,13 @@ the formula's target (macOS 14+ on arm64, CPython of the formula's ``python@`` d
 are the Mac's, not this machine's; pick each pinned package's file from PyPI's JSON simple index;
 rewrite the formula's url, sha256 and resource blocks. Needs uv (``pip install uv``) and PyPI.
 
+The formula's url is the release's sdist in a form ``brew audit --strict`` accepts: PyPI's hashed
+address once the sdist is on PyPI, else the same file attached to the GitHub release
+(``https://github.com/OWNER/NAME/releases/download/vX.Y.Z/mlxspec-X.Y.Z.tar.gz``; ``--github
+OWNER/NAME``, default: the repository the formula's homepage names). Never PyPI's unhashed
+``/packages/source/`` address (audit: "use the `Source` url found on PyPI downloads page"), a git
+url or a branch.
+
 File choice per package, the rule the formula's install method relies on: the wheel pip itself
 would pick on macOS 14 arm64 with the target Python, pure or compiled, fetched with
 ``using: :nounzip`` and pip-installed as a file; an sdist only where no wheel fits. homebrew-core
@@ -49,9 +56,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMULA = ROOT / "Formula" / "mlxspec.rb"
 PROJECT = "mlxspec"
 INDEX = "https://pypi.org/simple"
-# PyPI serves every sdist at this address too, so the formula has a url before the upload; once the
-# sdist is on PyPI the script uses its hashed address, which `brew audit` asks for
-SDIST_URL = "https://files.pythonhosted.org/packages/source/{first}/{name}/{name}-{version}.tar.gz"
+# the sdist attached to the GitHub release of tag vVERSION: hashed here before the upload; once the
+# sdist is on PyPI the script uses PyPI's hashed address instead
+GITHUB_SDIST_URL = "https://github.com/{repo}/releases/download/v{version}/{name}-{version}.tar.gz"
+PLACEHOLDER_REPO = f"OWNER/{PROJECT}"  # until the repository's account is named (--github)
 MACOS = "14.0"  # mlx's oldest macOS wheels; the formula says `depends_on macos: :sonoma`
 
 
@@ -151,6 +159,41 @@ def rewrite(text: str, url: str, sha256: str, resources: list[Resource]) -> str:
         raise FormulaError("the formula has no `def install`")
     blocks = "\n".join(r.ruby() for r in sorted(resources, key=lambda r: r.name))
     return text[:anchor] + blocks + "\n" + text[anchor:]
+
+
+_HOMEPAGE = re.compile(r'^  homepage "https://github\.com/([^/"\s]+/[^/"\s]+)"\n', re.M)
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]*/[A-Za-z0-9._-]+$")
+
+
+def formula_repo(text: str) -> str:
+    """OWNER/NAME of the GitHub repository the formula's homepage names (else the placeholder)."""
+    m = _HOMEPAGE.search(text)
+    return m.group(1) if m else PLACEHOLDER_REPO
+
+
+def set_repo(text: str, repo: str) -> str:
+    """TEXT with its homepage naming the GitHub repository REPO (OWNER/NAME)."""
+    if not _REPO.match(repo):
+        raise FormulaError(f"--github wants OWNER/NAME, got {repo!r}")
+    if _HOMEPAGE.search(text):
+        return _HOMEPAGE.sub(f'  homepage "https://github.com/{repo}"\n', text, count=1)
+    return text
+
+
+def audit_url(url: str) -> str | None:
+    """Why ``brew audit --strict`` refuses URL as a formula's source url (None: it accepts it): the
+    rules of Homebrew's url cops that a release url can break."""
+    if not url.startswith("https://"):
+        return "the url must be https"
+    if re.match(r"https?://(pypi\.python\.org|files\.pythonhosted\.org/packages/source)/", url):
+        return "PyPI's /packages/source/ address is refused (use the `Source` url found on PyPI downloads page)"
+    if url.startswith("git+") or url.endswith(".git") or "/archive/refs/heads/" in url:
+        return "a git url or a branch is not a release: give a versioned tarball"
+    if re.match(r"https://github\.com/[^/]+/[^/]+/archive/(?!refs/tags/)", url):
+        return "GitHub archive urls must name a tag: /archive/refs/tags/vX.Y.Z.tar.gz"
+    if not re.search(r"-\d[^/-]*\.tar\.gz$|/v?\d[^/]*\.tar\.gz$", url):
+        return "the url names no version (Homebrew reads the version from the file name)"
+    return None
 
 
 _RESOURCE_FIELDS = re.compile(r'^  resource "([^"]+)" do\n    url "([^"]+)"[^\n]*\n    sha256 "([0-9a-f]+)"\n', re.M)
@@ -276,9 +319,10 @@ def index_files(name: str) -> list[dict]:
         return json.load(response)["files"]
 
 
-def release_url(version: str, sha256: str) -> str:
-    """PyPI's address of this version's sdist: the hashed one once uploaded (and then it must be
-    the very file built here), else the /packages/source/ one that works once it is."""
+def release_url(version: str, sha256: str, repo: str = PLACEHOLDER_REPO) -> str:
+    """Where this version's sdist is downloaded from: PyPI's hashed address once uploaded there (and
+    then it must be the very file built here), else the GitHub release of REPO, where the release
+    attaches the file built here."""
     try:
         files = index_files(PROJECT)
     except urllib.error.HTTPError as err:
@@ -291,7 +335,7 @@ def release_url(version: str, sha256: str) -> str:
                 raise FormulaError(f"PyPI's {f['filename']} is not the sdist built here (sha256 differs); "
                                    "pass the uploaded file with --sdist")
             return f["url"]
-    return SDIST_URL.format(first=PROJECT[0], name=PROJECT, version=version)
+    return GITHUB_SDIST_URL.format(repo=repo, name=PROJECT, version=version)
 
 
 def download(url: str, dest: Path) -> Path:
@@ -351,8 +395,12 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formula", type=Path, default=FORMULA, help="the formula to rewrite")
     parser.add_argument("--sdist", type=Path, help="an sdist already built (default: build one)")
-    parser.add_argument("--url", help="where the release sdist is downloaded from (default: its "
-                                      "PyPI address, checked against PyPI's sha256 once uploaded)")
+    parser.add_argument("--url", help="where the release sdist is downloaded from (default: PyPI's hashed "
+                                      "address once uploaded, checked against its sha256; else the GitHub "
+                                      "release's)")
+    parser.add_argument("--github", metavar="OWNER/NAME",
+                        help="the GitHub repository of the releases and the homepage (default: the one "
+                             "the formula's homepage names)")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 and show the diff if the formula is not current")
     parser.add_argument("--verify", action="store_true",
@@ -372,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     try:
         text = args.formula.read_text(encoding="utf-8")
+        repo = args.github or formula_repo(text)
         python = formula_python(text)
         version = package_version()
         with tempfile.TemporaryDirectory() as tmp:
@@ -379,13 +428,16 @@ def main(argv: list[str] | None = None) -> int:
             if not sdist.name.startswith(f"{PROJECT}-{version}."):
                 raise FormulaError(f"{sdist.name} is not the sdist of {PROJECT} {version}")
             sha = sha256_of(sdist)
-        url = args.url or release_url(version, sha)
+        url = args.url or release_url(version, sha, repo)
+        problem = audit_url(url)
+        if problem:
+            raise FormulaError(f"{url}: {problem}")
         tags = target_tags(python)
         resources = []
         for name, pinned in resolve(python):
             resources.append(choose_file(name, pinned, index_files(name), tags))
             print(f"  {name} {pinned}: {'wheel' if resources[-1].is_wheel else 'sdist'}", file=sys.stderr)
-        new = rewrite(text, url, sha, resources)
+        new = rewrite(set_repo(text, repo), url, sha, resources)
     except urllib.error.URLError as err:
         print(f"error: cannot read PyPI's index: {err}", file=sys.stderr)
         return 1
@@ -402,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     args.formula.write_text(new, encoding="utf-8")
     print(f"rewrote {args.formula}: {PROJECT} {version}, sdist sha256 {sha[:12]}..., "
           f"{len(resources)} resources ({sum(r.is_wheel for r in resources)} wheels)")
+    if repo == PLACEHOLDER_REPO and "github.com/" in url:
+        print(f"note: the url names the placeholder {PLACEHOLDER_REPO}: run again with --github OWNER/NAME",
+              file=sys.stderr)
     return 0
 
 

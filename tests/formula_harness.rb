@@ -129,6 +129,11 @@ class Formula
     Pathname(ENV.fetch("HARNESS_BIN"))
   end
 
+  # Homebrew's prefix for logs and data (HOMEBREW_PREFIX/var); the Apple Silicon default
+  def var
+    Pathname("/opt/homebrew/var")
+  end
+
   def shell_output(cmd, result = 0)
     out = `#{cmd}`
     raise AssertionFailed, "`#{cmd}` exited #{$?.exitstatus}, expected #{result}" if $?.exitstatus != result
@@ -192,6 +197,7 @@ begin
       "install_defined"       => klass.method_defined?(:install),
       "resources"             => meta["resources"].values.map(&:to_h),
       "test_block_defined"    => !klass.test_block.nil?,
+      "caveats"               => klass.method_defined?(:caveats) ? klass.new.caveats : nil,
     ))
   when "install"
     klass.new.install

@@ -94,6 +94,11 @@ def test_json_schema_and_medians_of_the_raw_repetitions(dense_run):
             assert row["median"]["tps"] > 0 and row["median"]["ttft_ms"] > 0 and row["median"]["peak_mb"] > 0
     table = result.stdout
     assert "mlxspec-pld" in table and "skipped mlxspec-mtp: the checkpoint has no MTP head" in table
+    # like with like: every engine's time to first token is cold, and the table and JSON say so
+    assert doc["config"]["ttft"] == "cold" and "cold TTFT ms" in table and "TTFT: cold for every engine" in table
+    assert all(r["cached_tokens"] == 0 for p in doc["passes"] for r in p["runs"])
+    # progress goes to stderr, never into the tables on stdout
+    assert "bench: temperature 0, rep 1/2" in result.stderr and "rep 1/2" not in table
 
 
 def test_every_engine_is_identical_to_mlx_lm_at_temperature_zero(dense_run):
@@ -140,6 +145,26 @@ def test_hybrid_target_skips_mlx_lm_draft_and_runs_mtp_exactly(isolated, tiny_qw
     runs = [r for r in zero["runs"] if r["engine"] == "mlxspec-mtp"]
     assert all(r["drafted"] > 0 and r["verify_steps"] > 0 for r in runs)
     assert rows["mlxspec-mtp"]["median"]["acceptance"] is not None
+
+
+def test_ttft_is_cold_for_every_engine_and_progress_counts_tokens(isolated, tiny_qwen3, workloads_dir):
+    """mlx-lm prefills every prompt in full; mlxspec's engines must too (no prefix cache reused
+    from the warm-up or the previous repetition of the same prompt), and on_step hears which
+    engine, which repetition and how many tokens so far within each generation."""
+    spec = load(str(tiny_qwen3))
+    bench = Bench(spec, load_workloads(workloads_dir, ["echo"]), parse_engines("mlxspec-none,mlxspec-pld"),
+                  Options(reps=2, temp_pass=False))
+    steps = []
+    (zero,) = bench.run(lambda message, done, total: steps.append((message, done, total)))["passes"]
+    assert len(spec.prompt_cache) == 0  # nothing stored, so nothing could be reused
+    ours = [r for r in zero["runs"] if r["engine"].startswith("mlxspec")]
+    assert ours and all(r["cached_tokens"] == 0 for r in ours)
+    messages = [m for m, _, _ in steps]
+    for r in zero["runs"]:  # each generation reports its final count, named by rep, prompt and engine
+        label = f"temperature 0, rep {r['rep'] + 1}/2: echo/{r['prompt']} {r['engine']}"
+        counts = [m for m in messages if m.startswith(label + ": ")]
+        assert counts and counts[-1] == f"{label}: {r['generated']}/{r['max_tokens']} tokens", (label, counts)
+    assert any(m.startswith("warm-up mlxspec-pld (temperature 0): ") and m.endswith(" tokens") for m in messages)
 
 
 def test_workload_selection_and_overrides(workloads_dir):

@@ -156,6 +156,38 @@ def test_formula_test_block_fails_on_a_wrong_version(tmp_path):
     assert proc.returncode == 1 and "9.9.9" in proc.stderr
 
 
+def test_formula_url_is_one_brew_audit_accepts(described):
+    """brew audit --strict refuses PyPI's unhashed /packages/source/ address, git urls and
+    branches: the url is a versioned tarball, the release's sdist."""
+    url = described["url"]
+    assert update_formula.audit_url(url) is None, url
+    assert "/packages/source/" not in url and not url.endswith(".git") and "/heads/" not in url
+    version = mlxspec.__version__
+    assert (url.startswith("https://files.pythonhosted.org/packages/")
+            or re.fullmatch(rf"https://github\.com/[^/]+/mlxspec/releases/download/v{re.escape(version)}/"
+                            rf"mlxspec-{re.escape(version)}\.tar\.gz", url)), url
+    # the homepage is the repository, not a PyPI page that does not exist yet
+    assert described["homepage"].startswith("https://github.com/")
+
+
+def test_formula_caveats_name_the_services_default_model(described):
+    from mlxspec.options import DEFAULT_PORT
+
+    caveats = described["caveats"]
+    assert caveats, "the formula has no caveats"
+    flat = " ".join(caveats.split())
+    for words in ("brew services start mlxspec", "mlxspec serve", f"127.0.0.1:{DEFAULT_PORT}", "demo model",
+                  'default_model = "qwen3-0.6b"', "mlxspec pull qwen3-0.6b", "mlxspec config path",
+                  "brew services restart mlxspec", "/log/mlxspec.log"):
+        assert words in flat, words
+    # the model the caveats suggest is a catalog alias, and default_model is the config key
+    catalog = json.loads((ROOT / "mlxspec" / "catalog.json").read_text())
+    assert "qwen3-0.6b" in json.dumps(catalog)
+    from mlxspec.config import SETTINGS
+
+    assert SETTINGS["default_model"][3] == "default_model" and SETTINGS["port"][3] == "server.port"
+
+
 def test_formula_resources_reads_what_ruby_reads(described):
     parsed = update_formula.formula_resources(FORMULA.read_text())
     assert parsed == [(r["name"], r["url"], r["sha256"]) for r in described["resources"]]
@@ -179,11 +211,24 @@ def test_version_has_one_source():
     assert headings.index(released[0]) <= 1  # at most an [Unreleased] section above it
 
 
+def install_table(readme: str) -> list[str]:
+    """The rows of the README's install table."""
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+
+
 def test_install_paths_are_documented():
     readme = (ROOT / "README.md").read_text()
-    for command in ("brew tap", "brew install", "pipx install mlxspec", "uv tool install mlxspec",
-                    "mlxspec[cuda]", "--install-completion"):
+    for command in ("brew tap", "brew install", "pip install .", "pipx install /path/to/checkout",
+                    "uv tool install .", '".[cuda]"', "--install-completion"):
         assert command in readme, command
+    # not on PyPI yet: every row installs from a checkout (Homebrew: once a release exists)
+    rows = install_table(readme)
+    assert len(rows) >= 4
+    for row in rows:
+        assert "from a checkout" in row or "once a release exists" in row, row
+        for by_name in ("pipx install mlxspec", "uv tool install mlxspec", 'install "mlxspec['):
+            assert by_name not in row, row
     checklist = (ROOT / "docs" / "releasing.md").read_text()
     assert "scripts/update_formula.py" in checklist and "CHANGELOG" in checklist
 

@@ -122,3 +122,65 @@ def test_tune_dflash_drafter(dirs, tiny_qwen3, tmp_path):
     # a cost tuned with this drafter belongs to it: another drafter does not read it
     assert storage.stored_draft_cost(spec.target, "dflash", spec.draft) == result["draft_cost"]["dflash"]
     assert storage.stored_draft_cost(spec.target, "dflash", None) is None
+
+
+# -- the conclusion in words ---------------------------------------------------------
+
+
+def _rated(depth: dict, draft_key=None) -> dict:
+    """A tune record's fields that the conclusion reads: DEPTH is name -> (depth, speedup)."""
+    return {"draft_model": {"key": draft_key} if draft_key else None,
+            "depth": {name: {"depth": k, "speedup": s, "speedups": {}} for name, (k, s) in depth.items()}}
+
+
+def test_the_conclusion_says_what_run_will_do():
+    from mlxspec.tuning.choice import choose, conclusion
+
+    slow = _rated({"pld": (1, 0.88)})
+    assert conclusion(slow) == ("speculation does not pay on this machine for this model: best pld 0.88x; "
+                                "run will use plain decoding")
+    # and run does it: auto runs plain decoding, an explicit drafter is kept
+    assert choose(slow, "auto", "pld", ["pld"]).drafter == "none"
+    assert choose(slow, "pld", "pld", ["pld"]).drafter == "pld"
+    # a drafter this run has but the record did not rate may pay: auto keeps speculating
+    assert choose(slow, "auto", "mtp", ["pld", "mtp"]).drafter != "none"
+    both_slow = _rated({"pld": (2, 0.71), "mtp": (1, 0.93)})
+    assert "best mtp 0.93x; run will use plain decoding" in conclusion(both_slow)
+    assert conclusion(_rated({"pld": (4, 1.12), "mtp": (3, 1.6)})) == (
+        "run will use mtp at depth 3 (1.60x expected over plain decoding)")
+    assert conclusion(_rated({"pld": (7, 2.57), "mtp": (2, 1.21)})) == (
+        "run will use pld at depth 7 (2.57x expected over plain decoding)")
+    paired = _rated({"pld": (2, 0.9), "draft": (3, 1.6)}, draft_key="k")
+    assert conclusion(paired) == ("run will use draft with this --draft-model at depth 3 "
+                                  "(1.60x expected over plain decoding)")
+    none_drafted = {"depth": {"pld": {"depth": None, "speedup": None, "speedups": {}}}}
+    assert conclusion(none_drafted).startswith("no drafter made drafts on the tune prompts; run will use pld")
+
+
+def test_a_run_follows_a_record_where_speculation_does_not_pay(dirs, tiny_qwen3):
+    spec = load(str(tiny_qwen3))
+    storage.save_result(spec.target, {
+        "version": storage.FORMAT_VERSION, "machine": storage.machine_info(), "model": storage.model_info(spec.target),
+        "draft_model": None, "verify_cost": {str(n): 1.0 + 0.5 * (n - 1) for n in range(1, 17)},
+        "draft_cost": {"pld": 0.0}, "depth": {"pld": {"depth": 1, "speedup": 0.88, "speedups": {"1": 0.88}}}})
+    notes = []
+    out = spec.generate("hello", max_tokens=4, on_note=notes.append)  # drafter auto
+    assert out.stats.drafter == "none" and out.stats.drafted == 0
+    assert len(notes) == 1 and "auto -> none" in notes[0] and "pld 0.88x" in notes[0]
+    assert spec.generate("hello", max_tokens=4, drafter="pld").stats.drafter == "pld"  # asked for: kept
+
+
+def test_tune_prints_its_conclusion_and_json_has_it(dirs, tiny_qwen3, monkeypatch):
+    from mlxspec.tuning.choice import conclusion
+
+    real = measure.run_tune
+    monkeypatch.setattr(measure, "run_tune", lambda spec, **kw: real(spec, **{**kw, "reps": 1, "context": 32}))
+    res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--json", "--max-tokens", "12"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    said = data.pop("conclusion")
+    assert said == conclusion(data) and "run will use" in said
+    res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--max-tokens", "12"])
+    assert res.exit_code == 0, res.output
+    flat = " ".join(res.stdout.split())  # Rich wraps long lines
+    assert "conclusion: " in flat and "run will use" in flat.split("conclusion: ", 1)[1]

@@ -108,8 +108,10 @@ def test_update_formula_main_end_to_end(tmp_path, monkeypatch, capsys):
     text = formula.read_text()
     sha = hashlib.sha256(b"release sdist").hexdigest()
     assert f'sha256 "{sha}"' in text
-    source_url = f"https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-{mlxspec.__version__}.tar.gz"
-    assert f'url "{source_url}"' in text  # not on PyPI yet
+    version = mlxspec.__version__
+    release = f"https://github.com/OWNER/mlxspec/releases/download/v{version}/mlxspec-{version}.tar.gz"
+    assert f'url "{release}"' in text  # not on PyPI yet: the sdist of the GitHub release
+    assert "/packages/source/" not in text
     assert text.count("  resource ") == 2 and "rich-15.0.0-py3-none-any.whl\", using: :nounzip" in text
     assert update_formula.main([*args, "--check"]) == 0
     assert "is current" in capsys.readouterr().out
@@ -130,6 +132,48 @@ def test_update_formula_main_end_to_end(tmp_path, monkeypatch, capsys):
     other.write_bytes(b"old")
     assert update_formula.main(["--formula", str(formula), "--sdist", str(other)]) == 1
     assert "is not the sdist of mlxspec" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("https://github.com/me/mlxspec/releases/download/v1.2.3/mlxspec-1.2.3.tar.gz", None),
+    ("https://github.com/me/mlxspec/archive/refs/tags/v1.2.3.tar.gz", None),
+    ("https://files.pythonhosted.org/packages/ab/cd/0123abcd/mlxspec-1.2.3.tar.gz", None),
+    ("https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-1.2.3.tar.gz", "Source` url"),
+    ("https://pypi.python.org/packages/source/m/mlxspec/mlxspec-1.2.3.tar.gz", "Source` url"),
+    ("https://github.com/me/mlxspec.git", "git url"),
+    ("https://github.com/me/mlxspec/archive/refs/heads/main.tar.gz", "branch"),
+    ("https://github.com/me/mlxspec/archive/v1.2.3.tar.gz", "refs/tags"),
+    ("http://example.com/mlxspec-1.2.3.tar.gz", "https"),
+    ("https://example.com/mlxspec.tar.gz", "no version"),
+])
+def test_audit_url_refuses_what_brew_audit_refuses(url, problem):
+    found = update_formula.audit_url(url)
+    assert (found is None) if problem is None else (problem in found), found
+
+
+def test_github_repository_names_the_release_url_and_homepage(tmp_path, monkeypatch, capsys):
+    formula = tmp_path / "mlxspec.rb"
+    formula.write_text(FORMULA.read_text())
+    sdist = tmp_path / f"mlxspec-{mlxspec.__version__}.tar.gz"
+    sdist.write_bytes(b"release sdist")
+    monkeypatch.setattr(update_formula, "resolve", lambda python: [("rich", "15.0.0")])
+    index = {"rich": [pypi_file("rich-15.0.0-py3-none-any.whl")]}
+    monkeypatch.setattr(update_formula, "index_files", fake_index(index))
+    assert update_formula.main(["--formula", str(formula), "--sdist", str(sdist)]) == 0
+    assert "placeholder OWNER/mlxspec" in capsys.readouterr().err
+    assert update_formula.main(["--formula", str(formula), "--sdist", str(sdist), "--github", "someone/mlxspec"]) == 0
+    text = formula.read_text()
+    version = mlxspec.__version__
+    assert f'url "https://github.com/someone/mlxspec/releases/download/v{version}/mlxspec-{version}.tar.gz"' in text
+    assert 'homepage "https://github.com/someone/mlxspec"' in text and "OWNER" not in text.split("  resource")[0]
+    # the next run keeps the repository the homepage names
+    assert update_formula.main(["--formula", str(formula), "--sdist", str(sdist), "--check"]) == 0
+    assert update_formula.main(["--formula", str(formula), "--sdist", str(sdist), "--github", "not a repo"]) == 1
+    assert "--github wants OWNER/NAME" in capsys.readouterr().err
+    # a url the audit refuses is not written
+    refused = "https://files.pythonhosted.org/packages/source/m/mlxspec/mlxspec-{}.tar.gz".format(version)
+    assert update_formula.main(["--formula", str(formula), "--sdist", str(sdist), "--url", refused]) == 1
+    assert "Source` url" in capsys.readouterr().err and refused not in formula.read_text()
 
 
 def test_update_formula_says_what_is_wrong_in_one_line(tmp_path, monkeypatch, capsys):

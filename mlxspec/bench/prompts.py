@@ -4,6 +4,9 @@ Engines run interleaved (for each repetition, each prompt, each engine) after on
 of each, on the same loaded target and the same prompt token ids, with the same EOS set and
 max_tokens. Every generation is timed from the caller's side the same way: time to the first
 token, then decode rate = tokens after the first / time from the first token to the last.
+Time to first token is cold for every engine: mlx-lm prefills the whole prompt each time, so
+mlxspec's engines do too (no prefix cache: nothing is reused from the warm-up or an earlier
+repetition of the same prompt, which would compare a cache hit with a full prefill).
 Per workload and engine the repetitions are aggregated (tokens over time across its prompts)
 and the median over repetitions is reported; speedup is the ratio to mlx-lm's median.
 
@@ -40,6 +43,11 @@ ENGINE_HELP = {
 WORKLOAD_ORDER = ("echo", "completion", "novel", "toolcall")
 SCHEMA = "mlxspec-bench/1"
 WARMUP_TOKENS = 64
+# how time to first token is measured, in the JSON's config and the table's caption
+TTFT = "cold"
+TTFT_NOTE = ("TTFT: cold for every engine (the whole prompt prefilled each time; mlxspec's prefix "
+             "cache is not used, so no repetition reuses an earlier one's prefill)")
+PROGRESS_EVERY_S = 0.1  # token counts go to on_step at most this often within a generation
 
 
 class WorkloadError(MlxspecError):
@@ -155,6 +163,28 @@ class Generation:
     accepted: int | None = None
     verify_steps: int | None = None
     from_draft: int | None = None  # tokens taken from drafts (mlxspec: accepted drafts)
+    cached_tokens: int = 0  # prompt tokens restored from a prefix cache (cold TTFT: always 0)
+
+
+class TokenCounter:
+    """Tokens generated so far, passed to ``on_tokens(n)`` at the first token, then at most
+    every PROGRESS_EVERY_S seconds, and once at the end (:meth:`done`): progress within a run
+    without a callback per token in the timed loop."""
+
+    def __init__(self, on_tokens=None):
+        self.on_tokens = on_tokens
+        self.count = 0
+        self.next_at = 0.0
+
+    def add(self, n: int, now: float) -> None:
+        self.count += n
+        if self.on_tokens is not None and n and now >= self.next_at:
+            self.next_at = now + PROGRESS_EVERY_S
+            self.on_tokens(self.count)
+
+    def done(self) -> None:
+        if self.on_tokens is not None:
+            self.on_tokens(self.count)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -223,21 +253,25 @@ class Bench:
                 return why_not
         return None
 
-    def generate(self, engine: str, ids: list[int], max_tokens: int, temperature: float) -> Generation:
+    def generate(self, engine: str, ids: list[int], max_tokens: int, temperature: float,
+                 on_tokens=None) -> Generation:
+        """One generation of ENGINE, timed; ``on_tokens(n)``: the tokens so far (see TokenCounter)."""
         import mlx.core as mx
 
         mx.synchronize()
         mx.clear_cache()
         active = mx.get_active_memory()
         mx.reset_peak_memory()
+        counter = TokenCounter(on_tokens)
         if engine.startswith("mlx-lm"):
-            gen = self._mlx_lm(ids, max_tokens, temperature, engine == "mlx-lm-draft")
+            gen = self._mlx_lm(ids, max_tokens, temperature, engine == "mlx-lm-draft", counter)
         else:
-            gen = self._mlxspec(engine.split("-", 1)[1], ids, max_tokens, temperature)
+            gen = self._mlxspec(engine.split("-", 1)[1], ids, max_tokens, temperature, counter)
         mx.synchronize()
+        counter.done()
         return replace(gen, peak_mb=mx.get_peak_memory() / 1e6, active_mb=active / 1e6)
 
-    def _mlx_lm(self, ids, max_tokens, temperature, with_draft) -> Generation:
+    def _mlx_lm(self, ids, max_tokens, temperature, with_draft, counter: TokenCounter) -> Generation:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
@@ -249,17 +283,20 @@ class Bench:
         for r in stream_generate(self.spec.target.model, self.spec.tokenizer, ids, **kwargs):
             stamps.append(time.perf_counter())
             tokens.append(r.token)
+            counter.add(1, stamps[-1])
             from_draft += r.from_draft
             finish = r.finish_reason
         return Generation(tokens, stamps[0] - t0, stamps[-1] - stamps[0], 0.0, 0.0, finish=finish,
                           from_draft=from_draft if with_draft else None)
 
-    def _mlxspec(self, drafter, ids, max_tokens, temperature) -> Generation:
+    def _mlxspec(self, drafter, ids, max_tokens, temperature, counter: TokenCounter) -> Generation:
         from ..api import GenerationRequest
 
+        # reuse=False: a cold prefill, as mlx-lm's (TTFT); the prompt cache would otherwise
+        # hold this very prompt from the warm-up or the previous repetition
         request = GenerationRequest(max_tokens=max_tokens, temperature=temperature, drafter=drafter,
                                     depth=self.options.depth if drafter != "none" else None, raw=True,
-                                    gates=self.options.gates)
+                                    gates=self.options.gates, reuse=False)
         tokens, t_first, t_last, stats = [], None, None, None
         t0 = time.perf_counter()
         for chunk in self.spec.stream(ids, request=request):
@@ -267,10 +304,12 @@ class Bench:
                 t_last = time.perf_counter()
                 t_first = t_first or t_last
                 tokens.extend(chunk.tokens)
+                counter.add(len(chunk.tokens), t_last)
             stats = chunk.stats
         return Generation(tokens, t_first - t0, t_last - t_first, 0.0, 0.0, finish=stats.finish_reason,
                           drafter=stats.drafter, drafted=stats.drafted, accepted=stats.accepted,
-                          verify_steps=stats.verify_steps, from_draft=stats.accepted)
+                          verify_steps=stats.verify_steps, from_draft=stats.accepted,
+                          cached_tokens=stats.cached_tokens)
 
     # -- passes ------------------------------------------------------------------------
     def run(self, on_step=None, on_pass=None) -> dict:
@@ -293,11 +332,12 @@ class Bench:
         seeded = temperature > 0
         first = self.workloads[0].prompts[0]
         for engine in engines:  # warm-up: kernels, allocator, the MTP head, the cost curve
+            label, limit = f"warm-up {engine} (temperature {temperature:g})", min(first.max_tokens, WARMUP_TOKENS)
             if on_step:
-                on_step(f"warm-up {engine} (temperature {temperature:g})", 0, 1)
+                on_step(label, 0, 1)
             if seeded:
                 mx.random.seed(o.seed)
-            self.generate(engine, first.ids, min(first.max_tokens, WARMUP_TOKENS), temperature)
+            self.generate(engine, first.ids, limit, temperature, _tokens_step(on_step, label, limit, 0, 1))
         runs, first_rep = [], {}
         total = o.reps * sum(len(w.prompts) for w in self.workloads) * len(engines)
         for rep in range(o.reps):
@@ -305,12 +345,13 @@ class Bench:
             for w in self.workloads:
                 for p in w.prompts:
                     for engine in engines:
+                        label = f"temperature {temperature:g}, rep {rep + 1}/{o.reps}: {w.name}/{p.id} {engine}"
                         if on_step:
-                            on_step(f"temperature {temperature:g}, rep {rep + 1}/{o.reps}: "
-                                    f"{w.name}/{p.id} {engine}", len(runs), total)
+                            on_step(label, len(runs), total)
                         if seeded:  # the same random stream for every engine on this prompt
                             mx.random.seed(o.seed + index)
-                        g = self.generate(engine, p.ids, p.max_tokens, temperature)
+                        g = self.generate(engine, p.ids, p.max_tokens, temperature,
+                                          _tokens_step(on_step, label, p.max_tokens, len(runs), total))
                         # engines against mlx-lm's tokens; mlx-lm against its first repetition
                         if engine == BASELINE:
                             ref = g.tokens
@@ -348,6 +389,13 @@ class Bench:
         return rows
 
 
+def _tokens_step(on_step, label: str, max_tokens: int, done: int, total: int):
+    """on_tokens(n) for one generation: LABEL with the tokens so far, to ON_STEP."""
+    if on_step is None:
+        return None
+    return lambda n: on_step(f"{label}: {n}/{max_tokens} tokens", done, total)
+
+
 def _run_record(rep, w, p, engine, g: Generation, identical, first_diff) -> dict:
     n = len(g.tokens)
     return {"rep": rep, "workload": w.name, "prompt": p.id, "engine": engine,
@@ -356,7 +404,7 @@ def _run_record(rep, w, p, engine, g: Generation, identical, first_diff) -> dict
             "tps": round((n - 1) / g.decode_s, 3) if n > 1 and g.decode_s > 0 else None,
             "peak_mb": round(g.peak_mb, 2), "active_mb": round(g.active_mb, 2), "finish": g.finish,
             "drafter": g.drafter, "drafted": g.drafted, "accepted": g.accepted,
-            "verify_steps": g.verify_steps, "from_draft": g.from_draft,
+            "verify_steps": g.verify_steps, "from_draft": g.from_draft, "cached_tokens": g.cached_tokens,
             "identical": identical, "first_diff": first_diff}
 
 

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import MlxspecError, UsageError
-from .prompts import BASELINE, ENGINE_HELP, ENGINES, SCHEMA
+from .prompts import BASELINE, ENGINE_HELP, ENGINES, SCHEMA, TTFT, TTFT_NOTE
 
 PNG_HINT = 'the chart needs matplotlib: pip install "mlxspec[bench]"'
 
@@ -76,7 +76,7 @@ def bench_document(bench, result: dict) -> dict:
         "model": model_info(bench.spec.target), "draft_model": model_info(bench.spec.draft),
         "config": {"reps": o.reps, "draft_depth": o.draft_depth, "depth": o.depth,
                    "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed,
-                   "gates": o.gates},
+                   "gates": o.gates, "ttft": TTFT, "ttft_note": TTFT_NOTE},
         "workloads": {w.name: {"file": str(w.path), "prompts": [
             {"id": p.id, "prompt_tokens": len(p.ids), "max_tokens": p.max_tokens} for p in w.prompts]}
             for w in bench.workloads},
@@ -140,8 +140,9 @@ def pass_table(doc: dict, p: dict):
              + (f" (seed {p['seed']})" if sampled else "")
              + f", median of {reps} repetition{'s' * (reps != 1)}")
     table = Table(title=title, title_justify="left")
+    ttft = doc.get("config", {}).get("ttft")  # absent in files written before it was said
     for name in ("workload", "engine", "tok/s", "speedup", "accept", "acc. len", "from draft",
-                 "TTFT ms", "peak MB", "identical"):
+                 f"{ttft} TTFT ms" if ttft else "TTFT ms", "peak MB", "identical"):
         table.add_column(name, justify="left" if name in ("workload", "engine") else "right", no_wrap=True)
     skipped = {}
     last = None
@@ -160,6 +161,8 @@ def pass_table(doc: dict, p: dict):
         last = row["workload"]
     notes = [f"speedup: decode tok/s over {BASELINE}'s; identical: tokens equal to {BASELINE}'s "
              f"at every prompt and repetition ({BASELINE}: equal to its own first repetition)"]
+    if ttft:
+        notes.append(doc["config"].get("ttft_note") or f"TTFT: {ttft}")
     notes += [f"skipped {engine}: {why}" for engine, why in skipped.items()]
     table.caption = "\n".join(notes)
     table.caption_justify = "left"

@@ -38,11 +38,10 @@ Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; 
 --sweep, time a forward of 1..N tokens on random-weight models of real shapes; or, with
 --chat, time the first token of each turn of a growing chat with and without prefix reuse.
 
-Engines: mlx-lm (mlx_lm.stream_generate, plain decoding: the baseline, always run),
-mlx-lm-draft (mlx-lm's own speculation with --draft-model; dense targets only, since mlx-lm
-cannot roll back linear-attention layers), and mlxspec-none, -pld, -draft (needs
---draft-model), -mtp (needs an MTP head in MODEL) and -auto. An engine that cannot run with
-these models is reported as skipped, with the reason.
+Engines: mlx-lm (mlx_lm.stream_generate, plain decoding: the baseline, always run), mlx-lm-draft
+(mlx-lm's own speculation with --draft-model; dense targets only, since mlx-lm cannot roll back
+linear-attention layers), and mlxspec-none, -pld, -draft (needs --draft-model), -mtp (needs an
+MTP head in MODEL) and -auto. An engine that cannot run with these models is skipped, with why.
 
 A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line (the
 built-in sets, echo, completion, novel, toolcall, are cut from held-out source files); prompts
@@ -50,11 +49,12 @@ are raw text (no chat template), tokenized once and given as the same token ids 
 After one warm-up run of each engine, the engines run interleaved: for each repetition, each
 prompt, each engine. Reported per workload and engine, median over the repetitions: decode
 tok/s (tokens after the first / time from the first to the last token), speedup over mlx-lm,
-acceptance and tokens per verify (mlx-lm-draft: from its from_draft flags; its acceptance is
-not observable), the share of tokens that came from drafts, time to first token, peak memory
-(MLX's, all loaded weights included) and whether the tokens are identical to mlx-lm's at
-temperature 0. A second pass at --temp (seeded per prompt, the same seed for every engine)
-measures the speculative engines under sampling.
+acceptance and tokens per verify (mlx-lm-draft: from its from_draft flags; its acceptance is not
+observable), the share of tokens from drafts, time to first token (cold for every engine: the
+whole prompt prefilled, mlxspec's prefix cache not used), peak memory (MLX's, all loaded weights
+included) and whether the tokens are identical to mlx-lm's at temperature 0. A second pass at
+--temp (seeded per prompt, the same seed for every engine) measures the speculative engines
+under sampling. Progress (engine, repetition, tokens so far) goes to stderr, tables to stdout.
 
 --chat: a conversation of token ids (no tokenizer, no template) on MODEL, or on random-weight
 models of --chat-shapes: user blocks of pseudo-random ids (fixed seed) and the model's own

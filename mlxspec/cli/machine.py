@@ -57,7 +57,7 @@ def tune(
             raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
         from ..hub import expand_alias
         from ..tuning.measure import run_tune
-        from .tune_report import render_tune_result
+        from .tune_report import render_tune_result, with_conclusion
 
         spec = load_with_spinner(expand_alias(model), expand_alias(draft_model))
         console = stderr_console()
@@ -76,7 +76,7 @@ def tune(
         else:
             result = run_tune(spec, max_tokens=max_tokens)
         if json_out:
-            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.write(json.dumps(with_conclusion(result)) + "\n")
             sys.stdout.flush()
             return
         out = stdout_console()

@@ -45,9 +45,22 @@ def print_depth_chart(result: dict, console: Console) -> None:
             console.print(f"  {k:>2} {s:5.2f} {bar(s, top)}{mark}", highlight=False)
 
 
+def with_conclusion(result: dict) -> dict:
+    """RESULT with ``conclusion``: what it means for `mlxspec run`, in words (``--json``)."""
+    from ..tuning.choice import conclusion
+
+    return {**result, "conclusion": conclusion(result)}
+
+
 def render_tune_result(result: dict, console: Console, chart: bool = True) -> None:
-    """Rich tables of a tune result and (with ``chart``) its bar chart of tok/s per depth."""
+    """Rich tables of a tune result, (with ``chart``) its bar chart of tok/s per depth, then
+    its conclusion in words."""
+    from rich.markup import escape
+
+    from ..tuning.choice import conclusion
+
     console.print(cost_table(result))
     console.print(drafter_table(result))
     if chart:
         print_depth_chart(result, console)
+    console.print(f"[bold]conclusion[/bold]: {escape(conclusion(result))}")

@@ -1,7 +1,8 @@
 """What a stored ``mlxspec tune`` record decides for a run: which drafter ``auto`` runs (the
-best rated of those this run can use) and each drafter's depth cap (the tuned depth), with one
-line for the user when the record changed ``auto``'s pick or rated another drafter above the
-one asked for.
+best rated of those this run can use, or none when every one was rated slower than plain
+decoding) and each drafter's depth cap (the tuned depth), with one line for the user when the
+record changed ``auto``'s pick or rated another drafter above the one asked for; and tune's
+conclusion in words (:func:`conclusion`).
 
 Pure functions of the record (a dict, see the package doc): no mlx, no timing, so a seeded run
 makes the same choice every time.
@@ -48,6 +49,10 @@ def choose(record: dict | None, requested: str, default: str, available: list[st
     if default == "none" or not rated:
         return TunedChoice(default, None)
     best = max(rated, key=lambda name: rated[name][1])
+    if requested == "auto" and set(available) <= rated.keys() and rated[best][1] < 1.0:
+        # every drafter this run has was rated slower than plain decoding here
+        return TunedChoice("none", None, f"note: drafter auto -> none: `mlxspec tune` rated no drafter faster "
+                                         f"than plain decoding on this machine (best {best} {rated[best][1]:.2f}x)")
     name, note = default, None
     if best != default and rated[best][1] > rated.get(default, (0, 0.0))[1]:
         theirs = f"{best} {rated[best][1]:.2f}x"
@@ -60,3 +65,35 @@ def choose(record: dict | None, requested: str, default: str, available: list[st
                     f"on this machine")
     depth = rated[name][0] if name in rated else None
     return TunedChoice(name, depth, note)
+
+
+def auto_default(drafters: list[str]) -> str:
+    """``auto``'s pick among DRAFTERS without a record: a drafter of its own checkpoint (the
+    --draft-model), else the MTP head, else prompt lookup."""
+    own = [name for name in drafters if name in MODEL_DRAFTERS]
+    return own[0] if own else "mtp" if "mtp" in drafters else "pld"
+
+
+def conclusion(record: dict) -> str:
+    """What a tune RECORD means for ``mlxspec run`` with the same model (and draft model), in
+    words: the drafter and depth :func:`choose` picks for drafter auto, or plain decoding."""
+    depths = record.get("depth") if isinstance(record.get("depth"), dict) else {}
+    drafters = list(depths)
+    if not drafters:
+        return "nothing was tuned; run will use its defaults"
+    draft_key = (record.get("draft_model") or {}).get("key")
+    rated = ratings(record, drafters, draft_key)
+    choice = choose(record, "auto", auto_default(drafters), drafters, draft_key)
+    if choice.drafter == "none":
+        best = max(rated, key=lambda name: rated[name][1])
+        return (f"speculation does not pay on this machine for this model: best {best} {rated[best][1]:.2f}x; "
+                "run will use plain decoding")
+    if choice.drafter not in rated:
+        return (f"no drafter made drafts on the tune prompts; run will use {choice.drafter} at its default depth, "
+                "switched off where it does not pay")
+    depth, speedup = rated[choice.drafter]
+    with_model = " with this --draft-model" if choice.drafter in MODEL_DRAFTERS else ""
+    text = f"run will use {choice.drafter}{with_model} at depth {depth} ({speedup:.2f}x"
+    if speedup < 1.0:
+        return text + " expected: slower than plain decoding; its gates switch speculation off where it does not pay)"
+    return text + " expected over plain decoding)"
