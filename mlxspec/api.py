@@ -6,6 +6,7 @@ It joins the pieces in one direction: resolve + load the model (``models``), bui
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
@@ -65,8 +66,11 @@ class SpecModel:
             if on_status:
                 on_status(label)
 
-            def progress(done: int, total: int) -> None:
-                on_status(f"{label}: {100 * done // total}%")
+            started = time.perf_counter()
+
+            def progress(done: int, total: int) -> None:  # forwards done, or the time spent
+                share = max(done / total, (time.perf_counter() - started) / VERIFY_COST_BUDGET_S)
+                on_status(f"{label}: {min(100, int(100 * share))}%")
 
             self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size,
                                              budget_s=VERIFY_COST_BUDGET_S,
