@@ -70,6 +70,30 @@ MAX_JSON_DEPTH = 100
 MAX_STOP_STRINGS = 32
 MAX_STOP_LENGTH = 256
 DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests may finish in after SIGTERM, then cancelled
+# what one client without a key may hold of the server (issue 33: 2,061 connections trickling
+# header bytes used up 2,048 file handles; 150 unfinished 4 MiB bodies took 800 MB).
+# Connections open at once (--max-connections): well under the common 1,024-2,048 file handle
+# limit, which the model's files and the logs share; past it the oldest connection still
+# waiting for its request's headers is closed, else the new one gets a 503
+DEFAULT_MAX_CONNECTIONS = 256
+# connections the kernel queues before they are accepted, and so the most asyncio accepts at
+# once, before any is turned away: MAX_CONNECTIONS + twice this stays under the handle limit
+# (uvicorn's 2,048 let one burst use up every handle)
+ACCEPT_BACKLOG = 128
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # one request body; more is a 413
+# request bodies buffered at once, all requests together (16 bodies at the largest): a body
+# that would push the total past it is a 503 with Retry-After
+DEFAULT_MAX_BUFFERED_BYTES = 64 << 20
+HEADER_TIMEOUT = 10.0  # seconds a connection may take to send a request's headers, then closed (408)
+BODY_TIMEOUT = 30.0  # seconds a request may take to send its body (4 MiB at 140 KB/s), then 408
+KEEP_ALIVE_TIMEOUT = 5  # seconds an idle kept-alive connection stays open (uvicorn's default)
+MAX_HEADER_BYTES = 16 << 10  # a request line and headers (h11's default, named: larger is a 400)
+# a JSON body at least this large is parsed and validated on a worker thread, in slices, so
+# /health and running streams keep answering (a 4 MB body of small messages takes ~0.6 s)
+PARSE_OFF_LOOP_BYTES = 256 << 10
+# the same log line at most this many times per window; then counted, and the count logged
+# (a full file handle table logged 487k accept errors in 50 s)
+LOG_REPEATS, LOG_REPEAT_WINDOW = 5, 60.0
 # the Ollama surface's sampling when a request's options leave it out: Ollama's own defaults,
 # which its clients expect (the OpenAI surface's are OpenAI's)
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0}

@@ -265,7 +265,7 @@ def test_empty_requests_load_the_model_as_ollama_does(served):
 @pytest.mark.parametrize("body, where", [
     ({"model": "tiny", "messages": "hi"}, "messages"),
     ({"model": "tiny", "messages": MSG, "options": {"temperature": "hot"}}, "options.temperature"),
-    ({"model": "tiny", "messages": MSG, "options": {"top_p": 0}}, "options.top_p"),
+    ({"model": "tiny", "messages": MSG, "options": {"top_p": 1.5}}, "options.top_p"),
     ({"model": "tiny", "messages": MSG, "options": {"top_k": 1.5}}, "options.top_k"),
     ({"model": "tiny", "messages": MSG, "options": {"num_predict": 100000}}, "options.num_predict"),
     ({"model": "tiny", "messages": MSG, "options": {"stop": [1]}}, "options.stop"),

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
-from ..errors import UsageError
+from ..errors import MlxspecError, UsageError
 from ..options import (
     DEFAULT_HOST,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_PORT,
@@ -88,6 +91,10 @@ def serve(
     model: Annotated[Optional[str], typer.Argument(
         metavar="MODEL", show_default=False, autocompletion=complete_model,
         help="Model folder or cached repo id (default: the configured default, else the demo model).")] = None,
+    model_option: Annotated[Optional[List[str]], typer.Option(
+        "--model", "-m", metavar="MODEL", show_default=False, autocompletion=complete_model,
+        help="MODEL as an option, as `run` takes it (given once: a second one, or a MODEL argument "
+             "beside it, is an error).")] = None,
     draft_model: Annotated[Optional[str], typer.Option(
         "--draft-model", metavar="M", show_default=False,
         help="Draft model with the same tokenizer, Gemma-4 assistant or DFlash drafter made for MODEL.")] = None,
@@ -109,6 +116,11 @@ def serve(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = DEFAULT_MAX_QUEUE,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", metavar="N",
+        help="Connections open at once; past it the one that has waited longest for its request's "
+             "headers is closed, else the new one gets a 503. Keep it well under the file handle "
+             "limit (ulimit -n).")] = DEFAULT_MAX_CONNECTIONS,
     prompt_cache_bytes: Annotated[Optional[str], typer.Option(
         "--prompt-cache-bytes", metavar="SIZE", show_default=False,
         help="Memory for earlier conversations' caches (e.g. 4GiB, 512MB; 0 turns reuse off): a "
@@ -129,12 +141,16 @@ def serve(
                               prompt_cache_bytes=prompt_cache_bytes))
         host, port = given["host"], given["port"]
         cache_bytes, key = _check_flags(given, max_queue, max_tokens_cap, api_key, api_key_file)
+        model = _one_model(model, model_option)
+        if max_connections < 1:
+            raise UsageError("--max-connections must be >= 1")
+        check_port_free(host, port)  # before the model loads: minutes, for a port in use
         from .machine import prepare_run
 
         drafter, draft_model, _ = prepare_run(given["preset"], model, given["drafter"], draft_model, ctx)
-        spec, application = _build_app(model, draft_model, cache_bytes, api_key=key, max_queue=max_queue,
-                                       max_tokens_cap=max_tokens_cap, drafter=drafter, cors=cors,
-                                       reasoning=given["reasoning"])
+        spec, application = _build_app(model, draft_model, cache_bytes, max_connections, api_key=key,
+                                       max_queue=max_queue, max_tokens_cap=max_tokens_cap, drafter=drafter,
+                                       cors=cors, reasoning=given["reasoning"])
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
     print_note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
@@ -160,18 +176,50 @@ def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Opti
     return cache_bytes, key
 
 
-def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: int, **settings):
+def _one_model(argument: Optional[str], options: Optional[List[str]]) -> Optional[str]:
+    """The model, from the MODEL argument or -m/--model (as `run` takes it): given once."""
+    options = list(options or [])
+    if len(options) > 1:
+        raise UsageError(f"MODEL given twice: -m/--model {options[0]!r} and -m/--model {options[1]!r}; give it once")
+    if options and argument is not None:
+        raise UsageError(f"MODEL given twice: -m/--model {options[0]!r} and the argument {argument!r}; give it once")
+    return options[0] if options else argument
+
+
+class PortUnavailable(MlxspecError):
+    """The port `serve` was given is in use, or not this user's to bind."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind HOST:PORT and let it go, as uvicorn will bind it: a port in use, or one this user may
+    not bind, is a one-line error now rather than after the model has loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is free
+            probe.bind(address)
+    except socket.gaierror as err:
+        raise PortUnavailable(f"cannot bind {host}:{port}: {err.strerror}") from None
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise PortUnavailable(f"port {port} on {host} is in use; pick another with --port") from None
+        raise PortUnavailable(f"cannot bind {host}:{port}: {err.strerror}") from None
+
+
+def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: int, max_connections: int,
+               **settings):
     """The loaded model and the ASGI app serving it; SETTINGS are the server's Settings."""
     from ..api import load
     from ..server.app import create_app
     from ..server.common import Settings
+    from ..server.limits import Limits
 
     quiet_libraries()
     with model_errors(model, draft_model):
         spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
     if spec.is_demo:
         demo_notice(spec.name)
-    return spec, create_app(spec, Settings(model_name=spec.name, **settings))
+    return spec, create_app(spec, Settings(model_name=spec.name, **settings), Limits(max_connections=max_connections))
 
 
 def _run_server(application, host: str, port: int, log_level: str) -> None:

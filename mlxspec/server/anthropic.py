@@ -31,11 +31,12 @@ from .common import (
     template_overrides,
 )
 from .contract import RequestBody, check_options, check_stop_strings, limit_text
+from .parsing import OffLoopRoute
 from .structured import check_answer_start, forced_tool_constraint, reasoning_mode_for
 from .tools import ToolCall, ToolCallParser
 
 log = logging.getLogger("mlxspec.server")
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 
 class Block(BaseModel):

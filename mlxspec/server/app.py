@@ -13,15 +13,21 @@ from fastapi.responses import PlainTextResponse
 from . import anthropic, ollama, openai
 from .common import ServedModel, Settings
 from .generation import Server
-from .middleware import BodyLimit, Gate, add_error_handlers
+from .limits import Limits
+from .middleware import BodyLimit, BufferBudget, Gate, add_error_handlers
 
 
-def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
+def create_app(spec: ServedModel, settings: Settings, limits: Limits | None = None) -> FastAPI:
+    """The app serving SPEC; LIMITS: what clients may hold of it (the bodies' share here, the
+    connections' in the uvicorn protocol lifecycle.serve runs it under)."""
+    limits = limits or Limits()
     app = FastAPI(title="mlxspec", version=_version(),
                   description="OpenAI-, Anthropic- and Ollama-compatible API over one model, "
                               "with exact speculative decoding.")
     server = Server(spec, settings)
     app.state.server = server
+    app.state.limits = limits
+    app.state.buffered = BufferBudget(limits.max_buffered_bytes)  # request bodies' bytes held now
     add_error_handlers(app)
 
     @app.get("/health")
@@ -43,7 +49,8 @@ def create_app(spec: ServedModel, settings: Settings) -> FastAPI:
     app.include_router(ollama.router)
     # the last added is the outermost: CORS (preflights need no key), the Host and key checks,
     # then the body limit (an unauthorized body is not read)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, budget=app.state.buffered,
+                       body_timeout=limits.body_timeout)
     app.add_middleware(Gate, server=server)
     if settings.cors:
         from fastapi.middleware.cors import CORSMiddleware

@@ -7,6 +7,7 @@ stream the generation's text deltas back; nothing here knows either surface's re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Protocol
 
@@ -15,7 +16,15 @@ from fastapi.responses import StreamingResponse
 from .. import reasoning
 from ..api import Chunk, GenerationRequest
 from ..engine.stats import Stats
-from ..options import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS_CAP, DRAFTERS, MAX_DEPTH, MAX_TREE, MIN_DEPTH
+from ..options import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS_CAP,
+    DRAFTERS,
+    MAX_DEPTH,
+    MAX_TREE,
+    MIN_DEPTH,
+)
 
 if TYPE_CHECKING:
     from ..engine.prefix_cache import PrefixCache
@@ -36,7 +45,7 @@ class Settings:
     api_key: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait while one generates (0: none)
     max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     drafter: str = "auto"
     depth: int | None = None
     cors: bool = False
@@ -163,7 +172,20 @@ def surface_of(path: str) -> str:
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
+# what an error message may not carry as is: line breaks and other control characters (a message
+# is one line), lone surrogates (no response can encode them)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f\u2028\u2029\ud800-\udfff]")
+
+
+def one_line(text: str) -> str:
+    """TEXT with what echoes a request into it (a block type, a model name, a key) made safe for
+    an error message: control characters and lone surrogates as their escapes (\\n, \\ud800)."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
 def error_body(surface: str, status: int, message: str, kind: str, param: str | None = None) -> dict:
+    message = one_line(message)
+    param = one_line(param) if isinstance(param, str) else param
     if surface == "ollama":
         return {"error": message}
     if surface == "anthropic":

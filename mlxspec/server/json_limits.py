@@ -73,6 +73,10 @@ def json_fault(raw: bytes | str, field: str | None = None) -> APIError | None:
     naming where the fault is; None: it may go on."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8", "surrogatepass")
+    elif raw and json.detect_encoding(raw) not in ("utf-8", "utf-8-sig"):
+        # Python's parser reads UTF-16 and UTF-32 too, lone surrogates and all, past the checks
+        # below (they read UTF-8 bytes); JSON between systems is UTF-8 (RFC 8259)
+        return APIError(400, "the request body must be JSON in UTF-8")
     if too_deep(raw):
         return APIError(400, f"{field or 'the request body'} nests arrays and objects more than {MAX_JSON_DEPTH} deep",
                         param=field)

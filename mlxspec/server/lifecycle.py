@@ -15,8 +15,9 @@ from types import FrameType
 
 import uvicorn
 
-from ..options import DEFAULT_SHUTDOWN_GRACE
+from ..options import ACCEPT_BACKLOG, DEFAULT_SHUTDOWN_GRACE, KEEP_ALIVE_TIMEOUT, MAX_HEADER_BYTES
 from .common import APIError
+from .limits import Limits, guarded_protocol, limit_repeated_log_lines
 
 BACKSTOP = 2.0  # seconds after the grace before uvicorn cancels the requests still there
 
@@ -59,9 +60,21 @@ class GracefulServer(uvicorn.Server):
             server.worker.stop(APIError(503, "the server is shutting down", kind="overloaded_error"))
 
 
+def config(app, host: str, port: int, *, log_level: str = "info", use_colors: bool | None = None,
+           grace: float = DEFAULT_SHUTDOWN_GRACE) -> uvicorn.Config:
+    """uvicorn's configuration for APP, bounded by its limits (app.state.limits: connections and
+    the time their headers take, in the protocol; a request line and headers MAX_HEADER_BYTES;
+    connections accepted at once ACCEPT_BACKLOG)."""
+    limits = getattr(getattr(app, "state", None), "limits", None) or Limits()
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, use_colors=use_colors,
+                          timeout_graceful_shutdown=grace + BACKSTOP, http=guarded_protocol(limits),
+                          timeout_keep_alive=KEEP_ALIVE_TIMEOUT, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          backlog=ACCEPT_BACKLOG)
+
+
 def serve(app, host: str, port: int, *, log_level: str = "info", use_colors: bool | None = None,
           grace: float = DEFAULT_SHUTDOWN_GRACE) -> None:
-    """Serve APP until a signal; running requests get GRACE seconds to finish."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, use_colors=use_colors,
-                            timeout_graceful_shutdown=grace + BACKSTOP)
-    GracefulServer(config, grace).run()
+    """Serve APP until a signal; running requests get GRACE seconds to finish. The same log
+    line repeated (a flood of failing clients) is written a few times a minute, then counted."""
+    limit_repeated_log_lines()
+    GracefulServer(config(app, host, port, log_level=log_level, use_colors=use_colors, grace=grace), grace).run()

@@ -4,20 +4,24 @@ API key checks and request counting, and errors shaped the way the request's sur
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..options import BODY_TIMEOUT, DEFAULT_MAX_BUFFERED_BYTES, PARSE_OFF_LOOP_BYTES
 from .common import APIError, error_body, surface_of
 from .contract import UNKNOWN_FIELD, unknown_field_message
 from .json_limits import json_fault
+from .parsing import parser_slot
 
 log = logging.getLogger("mlxspec.server")
 
@@ -26,7 +30,8 @@ OPEN_PATHS = {"/health", "/docs", "/openapi.json", "/redoc"}
 
 # the error type each surface expects for an HTTP status the framework raises itself
 ERROR_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "request_too_large",
                422: "invalid_request_error", 503: "overloaded_error"}
 
 
@@ -40,14 +45,54 @@ UNSUPPORTED_ROUTES = {
 }
 
 
+# the routes whose bodies are JSON, whatever Content-Type a client sends (as Ollama and
+# llama-server take them: curl -d sends application/x-www-form-urlencoded, the README's and
+# Ollama's curl examples send no type at all, and FastAPI would read neither as JSON)
+JSON_ROUTES = ("/v1/", "/api/")
+
+
+def _as_json(scope: dict) -> dict:
+    """SCOPE of a request with a body to a JSON route, its Content-Type made JSON's."""
+    if not scope.get("path", "").startswith(JSON_ROUTES):
+        return scope
+    headers = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+    kept = dict(scope.get("headers") or []).get(b"content-type", b"")
+    is_json = kept.split(b";")[0].strip().lower().endswith((b"/json", b"+json"))
+    return scope if is_json else {**scope, "headers": headers + [(b"content-type", b"application/json")]}
+
+
+class BufferBudget:
+    """Bytes of request bodies buffered at once, all requests together, up to LIMIT."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+class BodyRefused(Exception):
+    """A body not read to its end; its args are BodyLimit._refuse's, from the status on."""
+
+
 class BodyLimit:
-    """ASGI middleware: a request body over the limit is answered 413 before it is parsed,
-    declared (Content-Length) or not (chunked): the body is read here, then handed on, unless
-    it is JSON no surface could take (too deeply nested, lone surrogates: json_limits), a 400.
+    """ASGI middleware: a request body is read here, then handed on. Over LIMIT bytes, declared
+    (Content-Length) or not (chunked), it is a 413 before it is parsed; not in within
+    BODY_TIMEOUT seconds, a 408; one that would take the bodies buffered at once past BUDGET
+    bytes, a 503 with Retry-After. JSON no surface could take (too deeply nested, lone
+    surrogates: json_limits) is a 400, checked on a worker thread for a large body. A body is
+    JSON whatever its Content-Type says (curl -d sends a form's type): the type is set to JSON.
     An exception no handler took is a shaped 500 here, so uvicorn keeps the connection."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, budget: BufferBudget | None = None, body_timeout: float = BODY_TIMEOUT):
+        self.app, self.limit, self.body_timeout = app, limit, body_timeout
+        self.budget = budget or BufferBudget(DEFAULT_MAX_BUFFERED_BYTES)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -56,27 +101,20 @@ class BodyLimit:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, send)
-        parts, seen, first = [], 0, None
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                first = message
-                break
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                return await self._reject(scope, send)
-            parts.append(message.get("body", b""))
-            if not message.get("more_body"):
-                first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
-                fault = json_fault(first["body"]) if first["body"] else None
-                if fault is not None:
-                    return await self._refuse(scope, send, 400, fault.message, fault.kind, fault.param, close=False)
-                break
+        try:
+            first = await self._read_body(receive)
+        except BodyRefused as refused:
+            return await self._refuse(scope, send, *refused.args)
+        if first["type"] == "http.request" and first["body"]:
+            fault = await self._json_fault(first["body"])
+            if fault is not None:
+                return await self._refuse(scope, send, 400, fault.message, fault.kind, fault.param, close=False)
+            scope = _as_json(scope)
 
         async def replayed():
             nonlocal first
             if first is not None:
-                message, first = first, None
+                message, first = first, None  # the body is the app's now: no reference kept here
                 return message
             return await receive()  # then what follows: a disconnect, when the client leaves
 
@@ -97,16 +135,49 @@ class BodyLimit:
             log.exception("internal error on %s", scope.get("path", ""))
             await self._refuse(scope, send, 500, "internal server error", "api_error", close=False)
 
+    async def _read_body(self, receive) -> dict:
+        """The request's whole body as one message (or the disconnect that came instead); the
+        bytes count against the budget while they arrive, and are in one buffer, each chunk
+        dropped as soon as it is copied (many small allocations would stay with the process)."""
+        buffer = bytearray()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left while sending
+                        return message
+                    chunk = message.get("body", b"")
+                    if len(buffer) + len(chunk) > self.limit:
+                        raise BodyRefused(413, f"request body over {self.limit} bytes", "request_too_large")
+                    if not self.budget.take(len(chunk)):
+                        raise BodyRefused(503, "the server holds too many request bodies now; retry shortly",
+                                          "overloaded_error", None, True, [(b"retry-after", b"1")])
+                    buffer += chunk
+                    if not message.get("more_body"):
+                        return {"type": "http.request", "body": bytes(buffer), "more_body": False}
+                    del message, chunk
+        except TimeoutError:
+            raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                              "invalid_request_error") from None
+        finally:
+            self.budget.give(len(buffer))
+
+    async def _json_fault(self, body: bytes):
+        if len(body) < PARSE_OFF_LOOP_BYTES:
+            return json_fault(body)
+        return await anyio.to_thread.run_sync(json_fault, body, limiter=parser_slot())
+
     async def _reject(self, scope, send):
         await self._refuse(scope, send, 413, f"request body over {self.limit} bytes", "request_too_large")
 
     @staticmethod
     async def _refuse(scope, send, status: int, message: str, kind: str, param: str | None = None,
-                      close: bool = True):
-        """Answer STATUS in the surface's error shape; CLOSE: and end the connection (its body
-        may be unread)."""
+                      close: bool = True, extra: list | None = None):
+        """Answer STATUS in the surface's error shape (with the EXTRA headers); CLOSE: and end the
+        connection (its body may be unread)."""
         body = json.dumps(error_body(surface_of(scope.get("path", "")), status, message, kind, param)).encode()
         headers = [(b"content-type", b"application/json")] + ([(b"connection", b"close")] if close else [])
+        headers += extra or []
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

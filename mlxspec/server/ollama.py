@@ -32,10 +32,11 @@ from .contract import RequestBody
 from .json_limits import check_json_text
 from .ollama_models import model_details, now_rfc3339, running_model, show_model
 from .ollama_options import sampling
+from .parsing import OffLoopRoute
 from .structured import LogprobRenderer, chat_logprobs, check_answer_start, reasoning_mode_for
 from .tools import ToolCall, ToolCallParser
 
-router = APIRouter()
+router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 # the Ollama API version this surface answers as: clients gate features on it (tools need
 # 0.3, think 0.9), all of which are served here
@@ -152,7 +153,7 @@ def _tool_call(call: dict, where: str) -> dict:
         check_json_text(args, f"{where}.function.arguments")
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer past Python's 4,300 digits
             raise APIError(400, f"{where}.function.arguments is not valid JSON", param=where) from None
     if not isinstance(args, dict):
         raise APIError(400, f"{where}.function.arguments must be an object", param=where)
@@ -309,10 +310,11 @@ async def chat(body: ChatBody, request: Request):
     model = served_name(server, body.model)
     if not body.messages:
         return loaded(model, body, chat=True)
-    messages, tools, fmt = template_messages(body.messages), template_tools(body.tools), constraint(body.format)
+    tools, fmt = template_tools(body.tools), constraint(body.format)
     kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think), fmt, "think"), None)
-    server.prompts.check_size(messages, tools)
-    ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, tools, kwargs)
+    # converted, sized and rendered on the prompt pool: 100k small messages hold the event loop ~0.3 s
+    ids, points, in_reasoning = await server.prompts.run(
+        lambda: server.chat_prompt(template_messages(body.messages), tools, kwargs))
     check_answer_start(fmt, in_reasoning, "format")
     gen = surface_request(server, body, ids, points, fmt)
     return await answer(request, body, gen, in_reasoning, parse_tools=bool(tools), chat=True, began=began)

@@ -38,7 +38,9 @@ def number(options: dict, key: str, integer: bool = False):
     if integer and isinstance(value, float) and value.is_integer():  # JSON numbers: 40.0 is 40 (as Ollama)
         value = int(value)
     kinds = (int,) if integer else (int, float)
-    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value)):
+    # an integer is finite however long (math.isfinite overflows past 1e308)
+    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)
+                              or isinstance(value, float) and not math.isfinite(value)):
         raise APIError(400, f"options.{key} must be {'an integer' if integer else 'a finite number'}",
                        param=f"options.{key}")
     return value

@@ -9,6 +9,7 @@ alternatives per token. Responses: the engine's TokenLogprobs as OpenAI renders 
 from __future__ import annotations
 
 import json
+import math
 
 from .. import reasoning
 from ..options import MAX_TOP_LOGPROBS, ConstraintSpec
@@ -41,7 +42,7 @@ def guided_json_constraint(schema) -> ConstraintSpec | None:
         check_json_text(schema, "guided_json")
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer past Python's 4,300 digits
             raise APIError(400, "guided_json must be a JSON schema (an object, or its JSON text)",
                            param="guided_json") from None
     if schema is not None and not isinstance(schema, dict):
@@ -136,8 +137,18 @@ def completion_logprobs(logprobs) -> int | None:
     return logprobs
 
 
+# what OpenAI writes for a token too unlikely to score (JSON has no -Infinity): a constraint's
+# masked tokens, listed among the top alternatives
+UNLIKELY_LOGPROB = -9999.0
+
+
+def finite_logprob(value: float) -> float:
+    return value if math.isfinite(value) else UNLIKELY_LOGPROB
+
+
 class LogprobRenderer:
-    """TokenLogprobs as OpenAI JSON, a token's text and bytes from the served tokenizer."""
+    """TokenLogprobs as OpenAI JSON, a token's text and bytes from the served tokenizer; a
+    log-probability JSON cannot carry (-inf: a token a constraint rules out) is UNLIKELY_LOGPROB."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -154,7 +165,8 @@ class LogprobRenderer:
     def chat(self, items) -> list[dict]:
         """Chat's ``logprobs.content`` entries."""
         def entry(token: int, logprob: float) -> dict:
-            return {"token": self.token(token), "logprob": logprob, "bytes": list(self.token_bytes(token))}
+            return {"token": self.token(token), "logprob": finite_logprob(logprob),
+                    "bytes": list(self.token_bytes(token))}
 
         return [{**entry(p.token, p.logprob), "top_logprobs": [entry(t, v) for t, v in p.top]} for p in items]
 
@@ -166,8 +178,8 @@ class LogprobRenderer:
             text = self.token(p.token)
             tokens.append(text)
             offset += len(text)
-        tops = [{self.token(t): v for t, v in p.top} for p in items] if top else None
-        return {"tokens": tokens, "token_logprobs": [p.logprob for p in items], "top_logprobs": tops,
+        tops = [{self.token(t): finite_logprob(v) for t, v in p.top} for p in items] if top else None
+        return {"tokens": tokens, "token_logprobs": [finite_logprob(p.logprob) for p in items], "top_logprobs": tops,
                 "text_offset": offsets}
 
 

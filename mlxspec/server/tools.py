@@ -11,10 +11,26 @@ back only what could still be the start of a ``<tool_call>`` tag.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _not_json(text: str):
+    raise ValueError(f"{text} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _not_json(text)
+
+
+def strict_json(text: str):
+    """TEXT as standard JSON: Python's json also reads NaN, Infinity and 1e309 (infinity), which
+    no JSON response can carry (ValueError, as for text that is not JSON)."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
 
 
 @dataclass
@@ -25,17 +41,19 @@ class ToolCall:
 
     @classmethod
     def parse(cls, body: str) -> "ToolCall | None":
+        """The call in BODY (the text between the tags); None: not a call (JSON no response
+        could carry, e.g. NaN or an integer past 4,300 digits, is not one)."""
         try:
-            data = json.loads(body.strip())
-        except json.JSONDecodeError:
+            data = strict_json(body.strip())
+        except ValueError:
             return None
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
             return None
         args = data.get("arguments", data.get("parameters", {}))
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = strict_json(args)
+            except ValueError:
                 return None
         if not isinstance(args, dict):
             return None
