@@ -17,7 +17,7 @@ import time
 
 import mlx.core as mx
 
-from mlxspec.bench.real_shapes import Cell, ShapeBench
+from mlxspec.bench.real_shapes import BASELINE, Cell, ShapeBench
 from mlxspec.engine import cache, speculate
 from mlxspec.engine.drafters import mtp
 
@@ -51,7 +51,7 @@ def main():
     bench = ShapeBench(a.shape, bits=4, prompt_tokens=512, max_tokens=a.max_tokens,
                        workloads=[a.workload], reps=3, on_step=print)
     cell = Cell(a.workload, a.engine)
-    base = Cell(a.workload, "mlx-lm")
+    base = Cell(a.workload, BASELINE)  # stock mlx-lm, in its own process
     for c in (base, cell, base, cell):  # warm-up, then measured
         times.clear()
         run = bench.run(c)

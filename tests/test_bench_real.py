@@ -10,7 +10,8 @@ from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
 from mlxspec import cli
-from mlxspec.bench.real_shapes import Cell, plan, run_real_shapes
+from mlxspec.bench.real_shapes import BASELINE, STOCK_DRAFT, WITH_KERNELS, Cell, plan, run_real_shapes
+from mlxspec.bench.real_summary import CELL_KEYS
 from mlxspec.bench.script import ScriptedLogits, SteeredLookup, make_script, parse_workload
 from mlxspec.bench.synthetic import random_model, random_mtp_head
 from mlxspec.errors import UsageError
@@ -64,7 +65,8 @@ def test_steered_lookup_follows_the_drafted_script():
 def test_plan_has_forced_depths_and_the_draft_baseline_only_for_dense():
     dense = plan(["scripted-a1.0", "novel"], True, (1, 2), 0.7)
     hybrid = plan(["scripted-a1.0", "novel"], False, (1, 2), None)
-    assert Cell("scripted-a1.0", "mlx-lm-draft") in dense and Cell("scripted-a1.0", "mlx-lm-draft") not in hybrid
+    assert Cell("scripted-a1.0", STOCK_DRAFT) in dense and Cell("scripted-a1.0", STOCK_DRAFT) not in hybrid
+    assert [c for c in dense if c.engine == WITH_KERNELS] == [Cell("scripted-a1.0", WITH_KERNELS)]  # once a shape
     assert Cell("scripted-a1.0", "mlxspec-pld", 2) in dense
     assert not any(c.temperature for c in hybrid)
 
@@ -74,14 +76,16 @@ def test_run_real_shapes_cells_are_identical_and_complete():
                              depths=(1, 3), workloads=("echo", "scripted-a1.0"), temperature=0.7)
     cells = result["cells"]
     assert all(c["identical"] for c in cells)
-    assert {c["engine"] for c in cells} == {"mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld",
+    assert {c["engine"] for c in cells} == {BASELINE, STOCK_DRAFT, WITH_KERNELS, "mlxspec-none", "mlxspec-pld",
                                            "mlxspec-mtp", "mlxspec-draft"}
+    assert result["baseline"] == "mlx-lm (stock)" and result["shapes"][0]["baseline_evidence"]["stock"]
 
     forced = [c for c in cells if c["workload"] == "scripted-a1.0" and c["depth"] == 3]
     assert {c["engine"] for c in forced} == {"mlxspec-pld", "mlxspec-mtp"}
     for c in forced:  # every draft accepted: k + 1 tokens per verify (the last one may be cut)
         assert c["acceptance"] == 1.0 and c["tokens_per_step"] > 2.5 and c["ideal"] > 0
-    assert all(len(c["reps_tps"]) == 2 for c in cells)
+    assert all(len(c["reps_tps"]) == 2 for c in cells if c["engine"] != BASELINE)
+    assert all(c["reps"] >= 2 and c["context_tokens"] == 48 for c in cells)
     assert any(c["temperature"] == 0.7 for c in cells)
     shape = result["shapes"][0]
     assert set(shape["forward_ms"]) >= {"1", "2", "9"} and shape["draft_step_ms"]["mlxspec-mtp"] > 0
@@ -96,12 +100,14 @@ def test_cli_real_shapes_json_and_errors(tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(out.read_text())
     assert {"device", "mlx", "cells"} <= set(doc)
-    assert {c["engine"] for c in doc["cells"]} == {"mlx-lm", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp"}
+    assert {c["engine"] for c in doc["cells"]} == {BASELINE, WITH_KERNELS, "mlxspec-none", "mlxspec-pld",
+                                                  "mlxspec-mtp"}
+    assert doc["baseline"] == "mlx-lm (stock)"
     for c in doc["cells"]:
-        assert {"shape", "workload", "engine", "depth", "speedup", "ideal", "acceptance",
-                "tokens_per_step", "identical"} <= set(c) and c["identical"]
+        assert set(CELL_KEYS) <= set(c) and c["identical"]
+    assert doc["real_shapes"]["shapes"][0]["baseline_evidence"]["stock"]
     again = runner.invoke(cli.app, ["bench", "--from-json", str(out)])
-    assert again.exit_code == 0 and "novel" in again.output
+    assert again.exit_code == 0 and "novel" in again.output and "mlx-lm (stock)" in again.output
     for args, msg in [(["--real-shapes", "qwen9"], "unknown shape"),
                       (["--real-shapes", "smoke", "--workloads", "chat"], "unknown workload"),
                       (["some-model", "--real-shapes", "smoke"], "give no MODEL")]:
@@ -175,7 +181,7 @@ def test_plan_has_the_dflash_chains_and_trees():
     cells = plan(["dflash", "mtp-like"], True, (1, 2), None, dflash_block=16)
     dflash = [(c.depth, c.tree) for c in cells if c.engine == "mlxspec-dflash"]
     assert dflash == [(None, 0), (None, None), (3, 0), (7, 0), (15, 0), (3, 4), (7, 8), (10, 16), (11, 32)]
-    assert [c.engine for c in cells if c.workload == "mtp-like"] == ["mlx-lm", "mlxspec-mtp"]
+    assert [c.engine for c in cells if c.workload == "mtp-like"] == [BASELINE, "mlxspec-mtp"]
     assert not [c for c in plan(["dflash"], True, (1,), None) if c.engine == "mlxspec-dflash"]  # no drafter
 
 
@@ -201,7 +207,7 @@ def test_dflash_rows_run_and_every_cell_is_identical(shape, reps):
         elif tree == 0:
             assert c["tree_steps"] == 0
     assert dflash[(3, 0)]["tokens_per_step"] <= 4.0 and dflash[(15, 0)]["mean_depth"] > 7
-    assert {c["engine"] for c in cells if c["workload"] == "mtp-like"} == {"mlx-lm", "mlxspec-mtp"}
+    assert {c["engine"] for c in cells if c["workload"] == "mtp-like"} == {BASELINE, "mlxspec-mtp"}
     info = result["shapes"][0]
     assert set(info["tree_ms"]) == {"4", "8", "16", "32"} and info["draft_step_ms"]["mlxspec-dflash"] > 0
     assert info["dflash"]["block_size"] == 16 and "16" in info["forward_ms"]

@@ -8,7 +8,16 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
 from mlxspec.bench.gemma4_shapes import GEMMA4, assistant_config
-from mlxspec.bench.real_shapes import Cell, ShapeBench, parse_shapes, plan, run_real_shapes
+from mlxspec.bench.real_shapes import (
+    BASELINE,
+    STOCK_DRAFT,
+    WITH_KERNELS,
+    Cell,
+    ShapeBench,
+    parse_shapes,
+    plan,
+    run_real_shapes,
+)
 from mlxspec.bench.synthetic import SHAPES, random_assistant, random_model, shape_config
 from mlxspec.models.gemma4_assistant import Gemma4Assistant, check_pair, shared_layers
 
@@ -38,12 +47,13 @@ def test_gemma_shapes_are_listed_and_plan_their_assistant():
     assert parse_shapes("gemma-4-31b,gemma-4-26b-a4b") == ["gemma-4-31b", "gemma-4-26b-a4b"]
     cells = plan(["echo", "scripted-a0.8", "scripted-a1.0"], False, (2, 8), 0.7, assistant=True)
     engines = {c.engine for c in cells}
-    assert {"mlxspec-assistant", "mlxspec-pld", "mlx-lm"} <= engines
-    assert not engines & {"mlxspec-mtp", "mlxspec-draft", "mlx-lm-draft"}
+    assert {"mlxspec-assistant", "mlxspec-pld", BASELINE} <= engines
+    assert not engines & {"mlxspec-mtp", "mlxspec-draft", STOCK_DRAFT}
     assert Cell("scripted-a0.8", "mlxspec-assistant", 8) in cells  # every depth, not only <= 4
     assert Cell("scripted-a0.8", "mlxspec-assistant", None, 0.7) in cells
     qwen = plan(["scripted-a0.8"], True, (2, 8), None)  # the Qwen plan is unchanged
-    assert [c.engine for c in qwen if c.depth is None] == ["mlx-lm", "mlxspec-mtp", "mlxspec-draft", "mlx-lm-draft"]
+    assert [c.engine for c in qwen if c.depth is None] == [BASELINE, WITH_KERNELS, "mlxspec-mtp", "mlxspec-draft",
+                                                           STOCK_DRAFT]
 
 
 def test_random_smoke_pair_is_quantized_in_the_real_layout():
@@ -64,7 +74,7 @@ def test_assistant_engine_on_smoke_gemma4_is_identical_to_the_script():
                              temperature=None)
     cells = result["cells"]
     assert all(c["identical"] for c in cells), [c for c in cells if not c["identical"]]
-    assert {c["engine"] for c in cells} == {"mlx-lm", "mlxspec-none", "mlxspec-pld", "mlxspec-assistant"}
+    assert {c["engine"] for c in cells} == {BASELINE, WITH_KERNELS, "mlxspec-none", "mlxspec-pld", "mlxspec-assistant"}
     mine = {(c["workload"], c["depth"]): c for c in cells if c["engine"] == "mlxspec-assistant"}
     assert set(mine) == {("echo", "auto"), ("scripted-a0.8", "auto"), ("scripted-a0.8", 1),
                          ("scripted-a0.8", 3), ("scripted-a1.0", "auto"), ("scripted-a1.0", 1),
@@ -80,7 +90,7 @@ def test_assistant_engine_on_smoke_gemma4_is_identical_to_the_script():
 
 def test_steered_assistant_pays_its_real_step():
     bench = ShapeBench("smoke-gemma4", bits=0, prompt_tokens=24, max_tokens=8, workloads=["scripted-a1.0"],
-                       reps=1, widest=3)
+                       reps=1, widest=3, stock=False)
     assert bench.head is None and bench.draft is None and bench.assistant is not None
     run = bench.run(Cell("scripted-a1.0", "mlxspec-assistant", 2))
     assert run.tokens == bench.scripts["scripted-a1.0"].continuation[:8]
@@ -100,6 +110,6 @@ def test_cli_real_shapes_runs_the_assistant(tmp_path):
                                        "--depths", "2", "--no-temp-pass", "--json", str(out)])
     assert res.exit_code == 0, res.output
     cells = json.loads(out.read_text())["cells"]
-    assert [(c["engine"], c["depth"]) for c in cells] == [("mlx-lm", "auto"), ("mlxspec-assistant", "auto"),
-                                                          ("mlxspec-assistant", 2)]
+    assert [(c["engine"], c["depth"]) for c in cells] == [(BASELINE, "auto"), (WITH_KERNELS, "auto"),
+                                                          ("mlxspec-assistant", "auto"), ("mlxspec-assistant", 2)]
     assert all(c["identical"] for c in cells)

@@ -3,16 +3,20 @@ scripted outputs (:mod:`mlxspec.bench.script`), so speed is measured on the path
 (bf16 activations, quantized weights, a KV cache growing token by token) and every output is
 known in advance.
 
-Per shape, all in one process: the target, a random MTP head of the real layout and a random
-Qwen3-0.6B-shaped draft model are built (for a Gemma-4 target: its assistant, of the real
-layout, instead of both: Gemma targets have no MTP head, and mlx-lm's draft loop cannot run an
-assistant); the verify-cost curve the engine's depth choice uses
-is measured as in ``run``; forwards of 1..N tokens over a growing cache are timed for the
-ideal. Then, for each repetition, every (workload, engine, depth) cell generates once,
-interleaved. Reported per cell, median over repetitions: tok/s, speedup over mlx-lm plain on
-the same workload (per repetition, against that repetition's mlx-lm run), acceptance, tokens
-per target forward, the ideal speedup (what the measured forward costs allow for the steps
-this run took, with no host time) and achieved/ideal, and whether the tokens equal the script.
+Per shape: the target, a random MTP head of the real layout and a random Qwen3-0.6B-shaped draft
+model are built (for a Gemma-4 target: its assistant, of the real layout, instead of both: Gemma
+targets have no MTP head, and mlx-lm's draft loop cannot run an assistant); the verify-cost curve
+the engine's depth choice uses is measured as in ``run``; forwards of 1..N tokens over a growing
+cache are timed for the ideal. The baseline is stock mlx-lm: a second process
+(:mod:`.stock_worker`, started by :class:`.stock.StockBaseline`) builds the same shape with no
+mlxspec kernel anywhere in it, proves it (:mod:`.stock_evidence`, checked before the first run
+and after the last, written in the JSON) and runs mlx-lm's ``generate_step`` (and its draft loop)
+on command. Then ``reps`` repetitions (8 by default), each every cell once, ABAB: each cell's
+run right after a stock mlx-lm run of the same workload (:mod:`.real_summary`). Reported per
+cell: the median and interquartile range of the paired ratios (tok/s over the adjacent
+baseline's), the ideal speedup (what the measured forward costs allow for the steps this run
+took, with no host time, against the baseline's measured per-token time) and achieved/ideal,
+acceptance, tokens per target forward, and whether the tokens equal the script.
 
 Profile workloads (``dflash``, ``mtp-like``: :data:`script.PROFILES`): a DFlash drafter of the
 published size (``synthetic.DFLASH``), steered after its real block forward, as chains of depth
@@ -27,93 +31,25 @@ import time
 from dataclasses import dataclass
 
 from ..errors import UsageError
-
-PROFILE_WORKLOADS = ("dflash", "mtp-like")  # script.PROFILES, named here without importing mlx
-
-WORKLOADS = ("echo", "novel", "scripted-a0.8", "scripted-a0.6", "scripted-a1.0")
-DEFAULT_SHAPES = ("qwen3-1.7b", "qwen3-8b", "qwen3.6-27b", "qwen3.6-35b-a3b")
-DRAFT_SHAPE = "qwen3-0.6b"
-ENGINES = ("mlx-lm", "mlx-lm-draft", "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft",
-           "mlxspec-assistant", "mlxspec-dflash")
-DFLASH_CHAINS = (3, 7, 15)  # forced chain depths: blocks of 4, 8 and 16
-DFLASH_TREES = (4, 8, 16, 32)  # draft-tree node budgets
-BASELINE = "mlx-lm"
-MLX_LM_DRAFT_DEPTH = 3  # mlx-lm-draft's num_draft_tokens, as in `mlxspec bench`
-
-
-@dataclass(frozen=True)
-class Cell:
-    workload: str
-    engine: str
-    depth: int | None = None  # None: the engine's own gates and depth choice; else forced, no gates
-    temperature: float = 0.0
-    tree: int | None = 0  # draft trees of at most this many nodes; 0: chains; None: the cost model picks
-
-    @property
-    def key(self) -> tuple:
-        return (self.workload, self.engine, self.depth, self.temperature, self.tree)
-
-
-def plan(workloads, dense: bool, depths, temperature: float | None, assistant: bool = False,
-         dflash_block: int | None = None) -> list[Cell]:
-    """The cells of one shape: each workload's engines, forced depths at full acceptance, and
-    a seeded pass at ``temperature`` (None: none). ``assistant``: a Gemma-4 target, whose model
-    drafter is its assistant (no MTP head, no separate draft model, no mlx-lm draft loop).
-    ``dflash_block``: the block size of the shape's DFlash drafter (None: it has none)."""
-    drafter = "mlxspec-assistant" if assistant else "mlxspec-mtp"
-    cells = []
-    for w in workloads:
-        if w in PROFILE_WORKLOADS:
-            cells += profile_cells(w, assistant, dflash_block)
-            continue
-        cells.append(Cell(w, BASELINE))
-        if w in ("echo", "novel"):
-            cells += [Cell(w, e) for e in ("mlxspec-none", "mlxspec-pld", drafter)]
-        else:
-            cells.append(Cell(w, drafter))
-            if not assistant:
-                cells.append(Cell(w, "mlxspec-draft"))
-            if dense and not assistant:  # mlx-lm cannot roll back the hybrids' GatedDeltaNet caches
-                cells.append(Cell(w, "mlx-lm-draft"))
-            if w == "scripted-a1.0":
-                cells += [Cell(w, e, d) for e in ("mlxspec-pld", drafter) for d in depths]
-            elif w == "scripted-a0.8":  # the assistants are run up to block 8 elsewhere: every depth
-                cells += [Cell(w, drafter, d) for d in depths if d <= 4 or assistant]
-    if temperature:
-        sampled = [("echo", "mlxspec-pld"), ("scripted-a0.8", drafter)]
-        for w, e in sampled:
-            if w in workloads:
-                cells += [Cell(w, BASELINE, None, temperature), Cell(w, e, None, temperature)]
-    return cells
-
-
-def profile_cells(w: str, assistant: bool, block: int | None) -> list[Cell]:
-    """A profile workload's cells: DFlash chains and trees (``dflash``), the MTP head (``mtp-like``)."""
-    from .script import tree_depth
-
-    if w == "dflash" and block:
-        e = "mlxspec-dflash"
-        return ([Cell(w, BASELINE), Cell(w, e), Cell(w, e, tree=None)]
-                + [Cell(w, e, min(d, block - 1)) for d in DFLASH_CHAINS]
-                + [Cell(w, e, tree_depth(w, n, block)[0], tree=n) for n in DFLASH_TREES])
-    if w == "mtp-like" and not assistant:
-        return [Cell(w, BASELINE), Cell(w, "mlxspec-mtp")]
-    return []
-
-
-def parse_shapes(text: str) -> list[str]:
-    from .synthetic import SHAPES
-
-    if text.strip() == "all":
-        return list(DEFAULT_SHAPES)
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise UsageError("--real-shapes needs at least one shape")
-    for name in names:
-        if name not in SHAPES:
-            raise UsageError(f"unknown shape '{name}' for --real-shapes; choose from {', '.join(SHAPES)}")
-    return names
-
+from .real_plan import (  # noqa: F401 - the plan's names, importable from here as before
+    BASELINE,
+    DEFAULT_SHAPES,
+    DFLASH_CHAINS,
+    DFLASH_TREES,
+    DRAFT_SHAPE,
+    ENGINES,
+    MLX_LM_DRAFT_DEPTH,
+    PROFILE_WORKLOADS,
+    STOCK_DRAFT,
+    STOCK_ENGINES,
+    WITH_KERNELS,
+    WORKLOADS,
+    Cell,
+    parse_shapes,
+    plan,
+    profile_cells,
+)
+from .real_summary import measure, shape_info, summarize
 
 # -- timing ---------------------------------------------------------------------------------
 
@@ -180,7 +116,7 @@ class Run:
     tokens: list[int]
     decode_s: float
     stats: dict | None = None  # mlxspec's Stats.to_dict()
-    from_draft: int | None = None  # mlx-lm-draft
+    from_draft: int | None = None  # the stock draft loop's tokens from the draft model
     trees: list[tuple[int, int]] | None = None  # (nodes, depth) of each tree verified
 
     @property
@@ -193,10 +129,11 @@ class ShapeBench:
     """One shape's models, scripts and measured costs; :meth:`run` generates one cell."""
 
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
-                 workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None):
+                 workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None, stock: bool = True):
         from ..engine.cache import model_nbytes
         from ..engine.costs import measure_tree_factor, measure_verify_cost
         from .script import ScriptedLogits, make_script
+        from .stock import StockBaseline
         from .synthetic import MOE, dflash_step_ms, random_model, shape_config, tree_ms, vocab_size
 
         say = on_step or (lambda *a: None)
@@ -206,8 +143,22 @@ class ShapeBench:
         vocab = vocab_size(shape)
         say(f"{shape}: building the target ({bits}-bit)")
         t0 = time.perf_counter()
-        self.model = random_model(shape, bits=bits)
-        self._build_drafters(shape, bits, vocab, workloads, say)
+        # the stock mlx-lm process builds its own copy meanwhile (``stock``: tests of the rest may skip it)
+        # (its draft model only where mlx-lm's draft loop runs: dense targets)
+        self.stock = StockBaseline(shape, bits=bits, vocab=vocab, wait=False,
+                                   draft_shape=self._draft_shape(shape, workloads) if self.dense else None
+                                   ) if stock else None
+        try:
+            self.model = random_model(shape, bits=bits)
+            self._build_drafters(shape, bits, vocab, workloads, say)
+            if self.stock is not None:
+                say(f"{shape}: waiting for the stock mlx-lm process (its own model, no mlxspec kernels)")
+                self.stock.ready()
+        except BaseException:
+            if self.stock is not None:
+                self.stock.close()
+            raise
+        self.stock_evidence = self.stock.evidence if self.stock is not None else None
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
@@ -235,6 +186,24 @@ class ShapeBench:
             except Exception as err:  # noqa: BLE001 - a tree verify that fails: the tree cells are left out
                 self.tree_error = f"{type(err).__name__}: {err}"
 
+    @staticmethod
+    def _draft_shape(shape: str, workloads) -> str | None:
+        """The draft model's shape where :meth:`_build_drafters` builds one (else None)."""
+        from .gemma4_shapes import GEMMA4
+
+        if shape in GEMMA4 or all(w in PROFILE_WORKLOADS for w in workloads):
+            return None
+        return DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
+
+    def close(self) -> None:
+        """Stop the stock mlx-lm process (its evidence checked once more first: ``stock_evidence``)."""
+        if self.stock is not None:
+            try:
+                self.stock_evidence = self.stock.recheck()
+            finally:
+                self.stock.close()
+                self.stock = None
+
     def _build_drafters(self, shape: str, bits: int, vocab: int, workloads, say) -> None:
         """The assistant (Gemma-4), else the MTP head, the draft model (when a workload runs it)
         and the DFlash drafter (when ``dflash`` is a workload and the shape has one)."""
@@ -250,9 +219,9 @@ class ShapeBench:
             return
         say(f"{shape}: building the MTP head")
         self.head = random_mtp_head(self.model, shape, bits=bits)
-        if any(w not in PROFILE_WORKLOADS for w in workloads):
+        draft_shape = self._draft_shape(shape, workloads)
+        if draft_shape is not None:
             say(f"{shape}: building the draft model")
-            draft_shape = DRAFT_SHAPE if shape.startswith("qwen") else "smoke"
             self.draft = random_model(draft_shape, vocab=vocab, bits=bits, seed=2)
         if "dflash" in workloads and shape in DFLASH:
             say(f"{shape}: building the DFlash drafter")
@@ -270,33 +239,20 @@ class ShapeBench:
             self.draft_logits.table = mx.array(script.drafted, mx.int32)
         n = max_tokens or self.max_tokens
         seed = self.seed if cell.temperature > 0 else None
+        if cell.engine in STOCK_ENGINES:
+            if self.stock is None:
+                raise UsageError(f"{cell.engine} needs the stock mlx-lm process (ShapeBench(stock=True))")
+            depth = MLX_LM_DRAFT_DEPTH if cell.engine == STOCK_DRAFT else None
+            out = self.stock.run(script.prompt, script.target, script.drafted, n, cell.temperature, seed, depth)
+            return Run(out["tokens"], out["decode_s"], from_draft=out["from_draft"] if depth else None)
         mx.synchronize()
         mx.clear_cache()
-        if cell.engine.startswith("mlx-lm"):
-            return self._mlx_lm(script.prompt, n, cell, seed)
+        if cell.engine == WITH_KERNELS:
+            from .stock_worker import generate
+
+            out = generate(self.model, None, script.prompt, n, cell.temperature, seed, None)
+            return Run(out["tokens"], out["decode_s"])
         return self._mlxspec(script, n, cell, seed)
-
-    def _mlx_lm(self, prompt, n, cell: Cell, seed) -> Run:
-        import mlx.core as mx
-        from mlx_lm.generate import generate_step, speculative_generate_step
-        from mlx_lm.sample_utils import make_sampler
-
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp=cell.temperature)
-        ids = mx.array(prompt, mx.uint32)
-        if cell.engine == "mlx-lm-draft":
-            steps = speculative_generate_step(ids, self.model, self.draft, sampler=sampler, max_tokens=n,
-                                              num_draft_tokens=MLX_LM_DRAFT_DEPTH)
-        else:
-            steps = generate_step(ids, self.model, sampler=sampler, max_tokens=n)
-        tokens, stamps, from_draft = [], [], 0
-        for item in steps:
-            tokens.append(int(item[0]))
-            stamps.append(time.perf_counter())
-            from_draft += bool(item[2]) if len(item) > 2 else 0
-        return Run(tokens, stamps[-1] - stamps[0],
-                   from_draft=from_draft if cell.engine == "mlx-lm-draft" else None)
 
     def _drafter(self, engine: str, script):
         from ..engine.drafters.assistant import AssistantDrafter
@@ -322,7 +278,9 @@ class ShapeBench:
             return AssistantDrafter(self.assistant, self.model, self.target_nbytes, cost)
         if engine == "mlxspec-dflash":  # a block step's cost whatever its depth
             return SteeredDFlash(self.dflash, self.model, script, self.target_nbytes, cost)
-        return "none"
+        if engine == "mlxspec-none":
+            return "none"
+        raise UsageError(f"unknown real-shapes engine '{engine}' ({', '.join(ENGINES)})")
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
         from ..engine.sampling import SamplingParams
@@ -343,14 +301,18 @@ class ShapeBench:
                    trees=None if trees is None else trees[: stats.tree_steps])
 
     def ideal(self, cell: Cell, run: Run, plain_ms: float) -> float | None:
-        """The speedup this run's steps would give if each cost only its measured forward:
-        plain steps at mlx-lm's per-token time, a verify of k drafts at a (k+1)-token forward
-        plus k draft steps (a DFlash block: one step at any depth), a tree of N nodes at its
-        measured tree verify (:meth:`_tree`) plus the block step."""
+        """The speedup this run's steps would give over stock mlx-lm if each cost only its
+        measured forward (no host time, no launch gaps): ``plain_ms`` is stock mlx-lm's measured
+        pipelined per-token time (the summary passes the paired baseline run's, 1000 / its tok/s);
+        a plain step costs that, a verify of k drafts a (k+1)-token forward (:attr:`forward`,
+        timed over a cache growing from the prompt) plus k draft steps (:attr:`draft_step_ms`; a
+        DFlash block: one step at any depth), a tree of N nodes its measured tree verify
+        (:meth:`_tree`) plus the block step. The steps are the run's own (its depth histogram),
+        so acceptance is the measured one. mlx-lm's plain engines: 1."""
         n = len(run.tokens)
-        if cell.engine == BASELINE or not n:
-            return 1.0 if cell.engine == BASELINE else None
-        if run.stats is None:  # mlx-lm-draft: every verify drafts MLX_LM_DRAFT_DEPTH
+        if cell.engine in (BASELINE, WITH_KERNELS) or not n:
+            return 1.0 if cell.engine in (BASELINE, WITH_KERNELS) else None
+        if run.stats is None:  # the stock draft loop: every verify drafts MLX_LM_DRAFT_DEPTH
             k = MLX_LM_DRAFT_DEPTH
             verifies = n - (run.from_draft or 0)
             step = self._forward(k + 1) + k * self.draft_step_ms["mlxspec-draft"]
@@ -388,11 +350,13 @@ class ShapeBench:
 
 
 def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_tokens: int = 128,
-                    reps: int = 5, depths=tuple(range(1, 9)), workloads=WORKLOADS,
+                    reps: int = 8, depths=tuple(range(1, 9)), workloads=WORKLOADS,
                     temperature: float | None = 0.7, seed: int = 0, on_step=None,
                     on_partial=None) -> dict:
-    """Every cell of every shape; returns the JSON-ready result (without the environment).
-    ``on_partial(result)`` gets the cells so far after each repetition (to save them)."""
+    """Every cell of every shape, ``reps`` ABAB repetitions against stock mlx-lm
+    (:func:`.real_summary.measure`); returns the JSON-ready result (without the environment):
+    ``baseline`` names it, each shape carries its process's evidence. ``on_partial(result)``
+    gets the cells so far after each repetition (to save them)."""
     import mlx.core as mx
 
     from .script import parse_workload
@@ -404,97 +368,34 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
     say = on_step or (lambda *a: None)
     cells_out, shapes_out = [], []
     config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens,
-              "max_tokens": max_tokens, "reps": reps, "depths": list(depths),
+              "max_tokens": max_tokens, "reps": reps, "order": "ABAB", "depths": list(depths),
               "workloads": list(workloads), "temperature": temperature, "seed": seed}
+    result = lambda cells, infos: {"baseline": BASELINE, "config": config, "shapes": infos, "cells": cells}  # noqa: E731
     for si, shape in enumerate(shapes):
         bench = ShapeBench(shape, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                            workloads=list(workloads), reps=reps, seed=seed,
                            widest=max(*depths, MLX_LM_DRAFT_DEPTH, 8, *(DFLASH_CHAINS * ("dflash" in workloads))) + 1,
                            on_step=lambda m: say(m, si, len(shapes)))
-        cells = [c for c in plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None,
-                                 dflash_block=bench.dflash.block_size if bench.dflash is not None else None)
-                 if c.tree == 0 or bench.tree_error is None]  # trees that broke their timing would break runs
-        for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
-            # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
-            say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
-            bench.run(cell)
-        runs: dict[tuple, list[Run]] = {c.key: [] for c in cells}
-        for rep in range(reps):
-            for cell in cells:
-                say(f"{shape}: rep {rep + 1}/{reps} {cell.workload} {cell.engine}"
-                    + (f" depth {cell.depth}" if cell.depth else "") + (f" tree {cell.tree}" if cell.tree else ""),
-                    si, len(shapes))
-                runs[cell.key].append(bench.run(cell))
-            if on_partial is not None:
-                on_partial({"config": config, "shapes": shapes_out + [shape_info(bench, bits)],
-                            "cells": cells_out + summarize(bench, cells, runs)})
-        cells_out += summarize(bench, cells, runs)
+        try:
+            cells = [c for c in plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None,
+                                     dflash_block=bench.dflash.block_size if bench.dflash is not None else None)
+                     if c.tree == 0 or bench.tree_error is None]  # trees that broke their timing would break runs
+            for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
+                # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
+                say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
+                bench.run(cell)
+
+            def partial(rep, runs, pairs):
+                if on_partial is not None:
+                    on_partial(result(cells_out + summarize(bench, cells, runs, pairs),
+                                      shapes_out + [shape_info(bench, bits)]))
+
+            runs, pairs = measure(bench, cells, reps, lambda m: say(f"{shape}: {m}", si, len(shapes)), partial)
+        finally:
+            bench.close()  # the stock process's evidence, checked once more, then it stops
+        cells_out += summarize(bench, cells, runs, pairs)
         shapes_out.append(shape_info(bench, bits))
-        del bench
+        bench = None  # the models go before the next shape's are built
         mx.clear_cache()
     say("done", len(shapes), len(shapes))
-    return {"config": config, "shapes": shapes_out, "cells": cells_out}
-
-
-def shape_info(bench: ShapeBench, bits: int) -> dict:
-    """What one shape measured besides its cells (costs, drafters' steps, tree verifies)."""
-    d = bench.dflash
-    return {"shape": bench.shape, "bits": bits, "build_s": round(bench.build_s, 1),
-            "weights_mb": round(bench.target_nbytes / 1e6, 1),
-            "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
-            "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
-            "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())},
-            "tree_ms": {str(k): round(v, 3) for k, v in bench.tree_ms.items()},
-            "tree_factor": bench.cost.tree_factor, "tree_error": bench.tree_error,
-            "dflash": None if d is None else {"layers": d.args.num_hidden_layers, "block_size": d.block_size,
-                                              "target_layer_ids": list(d.args.target_layer_ids)}}
-
-
-def summarize(bench: ShapeBench, cells: list[Cell], runs: dict) -> list[dict]:
-    out = []
-    for cell in cells:
-        mine = runs[cell.key]
-        base = runs[Cell(cell.workload, BASELINE, None, cell.temperature).key]
-        # a run of one token (or one step) has no decode time: no rate, no ratios
-        timed = all(r.tps for r in mine + base)
-        tps = statistics.median(r.tps for r in mine) if timed else None
-        base_tps = statistics.median(r.tps for r in base) if timed else None
-        ideals = [bench.ideal(cell, r, 1e3 / base_tps) for r in mine] if timed else [None]
-        ideal = statistics.median(ideals) if None not in ideals else None
-        want = bench.scripts[cell.workload].continuation[: bench.max_tokens]
-        drafted = sum(r.stats["drafted"] for r in mine) if mine[0].stats else None
-        accepted = sum(r.stats["accepted"] for r in mine) if mine[0].stats else None
-        steps = [r.stats["verify_steps"] + r.stats["plain_steps"] if r.stats
-                 else len(r.tokens) - (r.from_draft or 0) for r in mine]
-        if cell.engine == "mlx-lm-draft":
-            drafted = sum(MLX_LM_DRAFT_DEPTH * s for s in steps)
-            accepted = sum(r.from_draft for r in mine)
-        # Within a repetition the cells run back to back: the ratio to that repetition's
-        # mlx-lm run cancels the slow drifts of a shared machine better than a ratio of medians.
-        ratios = [r.tps / b.tps for r, b in zip(mine, base)] if timed else []
-        speedup = statistics.median(ratios) if timed else None
-        quart = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-        trees = [t for r in mine for t in r.trees or ()]
-        out.append({
-            "shape": bench.shape, "workload": cell.workload, "engine": cell.engine,
-            "depth": cell.depth if cell.depth is not None else "auto",
-            "temperature": cell.temperature,
-            "tree": "auto" if cell.tree is None else cell.tree,
-            "tps": round(tps, 2) if timed else None, "speedup": round(speedup, 3) if timed else None,
-            "speedup_iqr": [round(quart[0], 3), round(quart[2], 3)] if timed else None,
-            "speedup_of_medians": round(tps / base_tps, 3) if timed else None,
-            "ideal": round(ideal, 3) if ideal else None,
-            "achieved_over_ideal": round(speedup / ideal, 3) if ideal else None,
-            "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "tokens_per_step": round(sum(len(r.tokens) for r in mine) / sum(steps), 3),
-            "identical": all(r.tokens == want for r in mine),
-            "reps_tps": [round(r.tps, 2) if r.tps else None for r in mine],
-            "mean_depth": (round(statistics.mean(r.stats["mean_depth"] for r in mine), 2)
-                           if mine[0].stats else None),
-            "queued_used": sum(r.stats.get("queued_used", 0) for r in mine) if mine[0].stats else None,
-            "tree_steps": len(trees) if mine[0].trees is not None else None,
-            "mean_tree_nodes": round(statistics.mean(n for n, _ in trees), 2) if trees else None,
-            "tree_note": mine[-1].stats.get("tree_note") if mine[0].stats else None,
-            "gate_events": mine[-1].stats["gate_events"] if mine[0].stats else None,
-        })
-    return out
+    return result(cells_out, shapes_out)

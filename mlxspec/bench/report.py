@@ -94,7 +94,8 @@ def real_shapes_document(result: dict) -> dict:
     env = environment()
     name = env["device_info"].get("device_name") or env["device"]
     return {"schema": SCHEMA, "kind": "real_shapes", "device": name, "mlx": env["mlx"],
-            "cells": result["cells"], "environment": env, "real_shapes": result}
+            "baseline": result.get("baseline", "mlx-lm"), "cells": result["cells"], "environment": env,
+            "real_shapes": result}
 
 
 def chat_document(models: list[dict], config: dict) -> dict:
@@ -206,8 +207,17 @@ def real_shapes_table(doc: dict, shape: str):
     from rich.table import Table
 
     env = doc.get("environment", {})
+    order = doc.get("real_shapes", {}).get("config", {}).get("order")  # older documents: no ABAB pairing
+    how = "paired median of ABAB reps, IQR" if order == "ABAB" else "median of reps"
     table = Table(title=f"{shape} on {env.get('device_name') or env.get('device', '?')}: speedup over "
-                        "mlx-lm (median of reps)", title_justify="left")
+                        f"{doc.get('baseline', 'mlx-lm')} ({how})", title_justify="left")
+    info = next((i for i in doc.get("real_shapes", {}).get("shapes", []) if i.get("shape") == shape), {})
+    ev = info.get("baseline_evidence")
+    if ev is not None:  # .stock_evidence: what the baseline process showed of itself
+        table.caption = (f"{doc['baseline']}: its own process, no mlxspec kernel imported or bound in mlx-lm: "
+                         f"{'stock' if ev['stock'] else 'NOT STOCK'} ({len(ev['originals'])} functions checked "
+                         "against mlx-lm's source)")
+        table.caption_justify = "left"
     for col in ("workload", "engine", "depth", "tree", "temp", "tok/s", "speedup", "IQR", "ideal", "ach/ideal",
                 "accept", "tok/step", "identical"):
         table.add_column(col, justify="left" if col in ("workload", "engine") else "right")
@@ -277,7 +287,7 @@ def real_shapes_chart(doc: dict, shape: str, ax) -> None:
                     label=f"{engine} ideal")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xlabel("forced depth (drafts per verify), every draft accepted")
-    ax.set_ylabel("speedup over mlx-lm")
+    ax.set_ylabel(f"speedup over {doc.get('baseline', 'mlx-lm')}")
     ax.set_title(f"{shape} ({doc.get('device', '?')})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..compat import swap_class
 from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.drafters.base import Draft
 from ..engine.drafters.dflash import DFlashDrafter
@@ -41,8 +40,8 @@ from ..engine.drafters.pld import PromptLookupDrafter
 from ..engine.tree import tree_from_marginals
 from ..errors import UsageError
 from ..models.tree_attention import current as current_tree
+from . import scripted
 
-HOT = 30.0  # the scripted token's logit over 0 elsewhere: one-hot even at temperature 0.7
 EDIT_EVERY = 25
 PROFILE_DEPTH = 32  # block positions a profile decides per step; deeper ones are never right
 DEMOTED = -30.0  # the script's token in a block row where neither top-1 nor top-2 is it
@@ -173,64 +172,12 @@ def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed
     return Script(name, prompt, target, drafted, a, vocab=vocab)
 
 
-def _cache_offset(cache) -> int:
-    for c in cache or ():
-        offset = getattr(c, "offset", None)
-        if isinstance(offset, int):
-            return offset
-    return 0
-
-
-class ScriptedLogits:
-    """Replaces ``model``'s logits by a one-hot on ``table[p + 1]`` for the row at position p
-    (in a tree verify, a node's position is the cache offset plus its depth).
-
-    The body (tokens -> hidden) notes the positions of its rows from the cache; the lm_head
-    call for those rows replaces its output. Other head calls (an MTP head's logits through the
-    shared lm_head) keep the real logits."""
+class ScriptedLogits(scripted.ScriptedLogits):
+    """:class:`.scripted.ScriptedLogits` that sees the engine's tree verifies (a node's row at
+    the cache offset plus its depth)."""
 
     def __init__(self, model: nn.Module, table: list[int]):
-        self.table = mx.array(table, mx.int32)
-        self.pending: tuple[int, int, list[int] | None] | None = None
-        lm = getattr(model, "language_model", model)
-        body = lm.model
-        base = type(body)
-        outer = self
-
-        def call(self_, inputs, cache=None, *args, **kwargs):
-            tree = current_tree()  # a tree verify: row i sits at offset + depth(i)
-            outer.pending = (_cache_offset(cache), inputs.shape[1], None if tree is None else tree.depth)
-            return base.__call__(self_, inputs, cache, *args, **kwargs)
-
-        # a subclass for this one instance: the model's own __call__ reaches it unchanged
-        swap_class(body, type(f"Scripted{base.__name__}", (base,), {"__call__": call}))
-        if hasattr(lm, "lm_head") and not getattr(lm.args, "tie_word_embeddings", False):
-            lm.lm_head = _Head(lm.lm_head, self)
-        else:
-            head = _Head(body.embed_tokens, self, tied=True)
-            body.embed_tokens.as_linear = head.__call__
-
-    def replace(self, logits: mx.array) -> mx.array:
-        # the trunk's rows come as (1, n, V); an MTP head's through the same lm_head as (n, V)
-        if self.pending is None or logits.ndim != 3 or logits.shape[1] != self.pending[1]:
-            return logits
-        (offset, n, depth), self.pending = self.pending, None
-        rows = mx.arange(n) if depth is None else mx.array(depth)
-        where = mx.minimum(offset + 1 + rows, self.table.shape[0] - 1)
-        hot = mx.arange(logits.shape[-1])[None] == self.table[where][:, None]
-        # the real logits stay a data dependency: their whole lm_head matmul is still computed
-        return mx.where(hot, HOT, 0.0).astype(logits.dtype) + logits[..., :1] * 0
-
-
-class _Head(nn.Module):
-    def __init__(self, inner: nn.Module, script: ScriptedLogits, tied: bool = False):
-        super().__init__()
-        self.inner = inner
-        self._script = script
-        self._call = type(inner).as_linear.__get__(inner) if tied else inner
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._script.replace(self._call(x))
+        super().__init__(model, table, current_tree)
 
 
 class SteeredLookup(PromptLookupDrafter):

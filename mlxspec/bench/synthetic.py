@@ -129,9 +129,11 @@ def _quantizable(group_size: int):
 
 
 def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size: int = 64,
-                 seed: int = 0) -> nn.Module:
+                 seed: int = 0, kernels: bool = True) -> nn.Module:
     """A model of ``shape`` (see :data:`SHAPES`) with random bf16 weights, quantized to ``bits``
-    (0: none), every array evaluated. ``vocab`` overrides the shape's vocabulary size."""
+    (0: none), every array evaluated. ``vocab`` overrides the shape's vocabulary size.
+    ``kernels``: install mlxspec's CUDA kernels as a loaded checkpoint gets them; False leaves
+    the model (and the process) stock mlx-lm, never importing :mod:`mlxspec.kernels`."""
     config = shape_config(shape, vocab)
     if config["model_type"] == "qwen3":
         from mlx_lm.models import qwen3
@@ -172,9 +174,10 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
         if bits:
             nn.quantize(layer, group_size=group_size, bits=bits, class_predicate=in_layer)
         mx.eval(layer.parameters())
-    from ..kernels import install
+    if kernels:
+        from ..kernels import install
 
-    install(model)  # as a loaded checkpoint gets (CUDA verify kernels)
+        install(model)  # as a loaded checkpoint gets (CUDA verify kernels)
     return model
 
 

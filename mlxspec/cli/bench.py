@@ -70,10 +70,10 @@ target logits are replaced after each real forward by a scripted continuation, s
 is known in advance and checked token for token. Workloads (--workloads): echo (spans of the
 prompt with an edit every ~25 tokens), novel (tokens absent from the prompt), scripted-aA (the
 drafters' proposals right with probability A), dflash / mtp-like (right by draft position: a DFlash drafter of the
-published size as chains of depth 3/7/15 and trees of 4-32 nodes; the MTP head). Engines: mlx-lm plain and with a
-draft model (dense only), mlxspec none / pld / mtp (a random head of the real layout) / draft (a random
-Qwen3-0.6B-shaped model) / assistant (Gemma-4 shapes, for mtp and draft) / dflash, with their own gates, plus forced
-depths for the ideal curve. Per cell: tok/s, speedup over mlx-lm (median, IQR), ideal, ach/ideal, acceptance, tok/step.
+published size as chains of depth 3/7/15 and trees of 4-32 nodes; the MTP head). Engines: stock mlx-lm (a process of
+its own, proven free of mlxspec's kernels) plain and with a draft model (dense only), mlx-lm + mlxspec kernels, mlxspec
+none / pld / mtp (a random head) / draft (Qwen3-0.6B-shaped) / assistant (Gemma-4) / dflash, gated, and forced depths.
+Reps run ABAB. Per cell: tok/s, paired speedup over stock mlx-lm (median, IQR), ideal, ach/ideal, accept, tok/step.
 
 --from-json redraws the tables (and --png) from saved results without running anything.
 """)
@@ -223,7 +223,7 @@ RealShapesOption = Annotated[Optional[str], typer.Option(
     help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
          "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b, smoke-moe, gemma-4-31b, "
          "gemma-4-26b-a4b, smoke-gemma4(-moe)); 'all' is qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. "
-         "Default --reps 5, --max-tokens 128, --workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
+         "Default --reps 8, --max-tokens 128, --workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
 PromptTokensOption = Annotated[int, typer.Option(
     "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")]
 DepthsOption = Annotated[str, typer.Option(
@@ -296,7 +296,7 @@ def bench(
             _check(model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL or --draft-model")
             _run_real_shapes(real_shapes, bits=bits, workloads=workloads, depths=depths, prompt_tokens=prompt_tokens,
-                             max_tokens=max_tokens or 128, reps=reps or 5, seed=seed,
+                             max_tokens=max_tokens or 128, reps=reps or 8, seed=seed,
                              temperature=temperature if temp_pass else None, outputs=outputs)
         elif sweep is not None:
             _check(model is None and draft_model is None,
