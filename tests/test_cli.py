@@ -267,7 +267,7 @@ def test_options_reach_the_api(fake_load):
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--temp", "-0.5"], "--temp"),
-    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "-0.1"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
     (["--top-k", "-1"], "--top-k"),
     (["--min-p", "2"], "--min-p"),

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from ..errors import MlxspecError
 from .console import print_error, print_note, print_stats, replaced_note, stdout_console, valid_text
+from .lineread import PASTE_OFF, LineReader, flush_input, readline_pastes
 
 
 def starts_in_reasoning(spec, prompt, request) -> bool:
@@ -115,15 +116,19 @@ CHAT_COMMANDS = """commands:
   /stats           the last answer's stats
   /exit, /bye      quit (or Ctrl-D; Ctrl-C twice at an empty prompt)
   \"\"\"              start a multi-line message; end it with \"\"\"
-Ctrl-C stops an answer. A conversation longer than the model's context drops its oldest turns."""
+A paste of many lines is one message. Ctrl-C stops an answer.
+A conversation longer than the model's context drops its oldest turns."""
 
 
 def read_message(ask=None) -> str:
-    """One message from the user: a line, or the lines between \"\"\" and \"\"\" (ollama's
-    multi-line input); text that was not UTF-8 replaced, with a note."""
+    """One message from the user: a line, a paste of many lines (bracketed paste: see
+    :mod:`.lineread`), or the lines between \"\"\" and \"\"\" (ollama's multi-line input);
+    text that was not UTF-8 replaced, with a note."""
     ask = ask or input  # looked up now: a test may replace it
     line = ask(">>> ")
-    if line.lstrip().startswith('"""'):
+    if "\n" in line:  # a paste: one message as it is, even if it starts with \"\"\"
+        line = line.strip("\r\n")
+    elif line.lstrip().startswith('"""'):
         text = line.lstrip()[3:]
         lines = []
         while not text.rstrip().endswith('"""'):
@@ -204,6 +209,7 @@ def _turn(spec, request, state: ChatState, line: str, live: bool, hide_reasoning
         return None
     if answer.interrupted:
         print_note("[stopped]")
+        flush_input()  # what was typed or pasted meanwhile is not the next message
     # a stopped answer stays in the history: it is what the user saw. Only the answer:
     # chat templates drop past turns' reasoning anyway
     state.history.append({"role": "assistant", "content": answer.text})
@@ -214,16 +220,33 @@ def _turn(spec, request, state: ChatState, line: str, live: bool, hide_reasoning
 def chat(spec, request, show_stats: bool, live: bool, hide_reasoning: bool = False) -> None:
     """Interactive chat: history kept across turns, Ctrl-C stops an answer (twice at the prompt:
     quits), Ctrl-D quits; every answer as REQUEST (a GenerationRequest) asks."""
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  line editing and history for input()
     with contextlib.suppress(AttributeError, ValueError, OSError):  # bytes that are not UTF-8: replaced later
         sys.stdin.reconfigure(errors="surrogateescape")
-
+    terminal = _isatty(sys.stdin) and _isatty(sys.stdout)
+    ask = None  # input(): GNU readline's line editing, a paste as one message
+    if terminal and not readline_pastes():  # libedit or no readline: read the terminal here
+        ask = LineReader().read
     print_note(f"chatting with {spec.name}; {CHAT_HELP}")
+    try:
+        _chat(spec, request, show_stats, live, hide_reasoning, ask)
+    finally:
+        if terminal:  # bracketed paste is off after the chat, however it ended
+            sys.stdout.write(PASTE_OFF)
+            sys.stdout.flush()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _chat(spec, request, show_stats: bool, live: bool, hide_reasoning: bool, ask) -> None:
     state = ChatState()
     while True:
         try:
-            line = read_message()
+            line = read_message(ask)
         except EOFError:
             print_note("")
             return
@@ -242,6 +265,13 @@ def chat(spec, request, show_stats: bool, live: bool, hide_reasoning: bool = Fal
             if not _command(command, state):
                 return
             continue
-        answer = _turn(spec, request, state, line, live, hide_reasoning)
+        try:
+            answer = _turn(spec, request, state, line, live, hide_reasoning)
+        except KeyboardInterrupt:  # before the answer began (fitting the context): not sent
+            if state.history and state.history[-1]["role"] == "user":
+                state.history.pop()
+            print_note("\n[stopped]")
+            flush_input()
+            continue
         if answer is not None and show_stats:
             print_stats(answer.stats, table=False)

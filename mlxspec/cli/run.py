@@ -2,9 +2,8 @@
 
 import json
 import os
-import re
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -27,6 +26,7 @@ from ..options import (
     check_choice,
     check_values,
 )
+from . import run_input
 from .app import app
 from .console import (
     check_reasoning,
@@ -40,11 +40,9 @@ from .console import (
     presets_help,
     print_note,
     print_stats,
-    replaced_note,
     stderr_console,
     stdout_console,
     user_errors,
-    valid_text,
 )
 
 # what the flags are called in error messages
@@ -52,12 +50,6 @@ FLAG_LABELS = {"depth": "--depth", "temperature": FLAGS["temperature"][0], "top_
                "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0], "repetition_penalty": "--repetition-penalty",
                "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
                "penalty_window": "--penalty-window"}
-# starts of a MODEL argument that is never a prompt: paths and GGUF store names
-MODEL_LIKE = ("/", "./", "../", "~", "ollama:", "lmstudio:")
-# a Hugging Face repo id, org/name: a lone argument like this is a model, never a prompt
-REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
 def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) -> None:
     """Refuse bad values (flags, $MLXSPEC_*, config) before anything is loaded."""
     check_choice("drafter", given["drafter"], DRAFTERS)
@@ -66,117 +58,6 @@ def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) 
     check_values({"depth": depth, "temperature": given["temp"], "top_p": given["top_p"], "top_k": given["top_k"],
                   "min_p": given["min_p"], "max_tokens": given["max_tokens"]}, FLAG_LABELS)
     check_reasoning(given["reasoning"])
-
-
-def _split_positionals(model: Optional[str], prompt: Optional[str]):
-    """(model ref, prompt): a lone positional is the model if it names one, starts like a path
-    or looks like a repo id (org/name); otherwise it is the prompt ("-": read stdin)."""
-    if model is not None and prompt is None:
-        from ..models.loader import is_model_ref
-
-        # a mistyped folder or repo id should fail as a model, not be sent to the demo as a prompt
-        like_a_model = model.startswith(MODEL_LIKE) or model.lower().endswith(".gguf") or REPO_ID.fullmatch(model)
-        if model == "-" or (not like_a_model and not is_model_ref(model)):
-            return None, model
-    return model, prompt
-
-
-def _check_refs(model: Optional[str], draft_model: Optional[str]) -> None:
-    """A MODEL or --draft-model written as a path or a repo id that names nothing fails now,
-    before stdin is read or anything loaded (other names fail when loading)."""
-    from ..errors import ModelNotFoundError
-    from .console import missing_model_message
-
-    for ref, what in ((model, "model"), (draft_model, "draft model")):
-        if ref is not None and (ref.startswith(MODEL_LIKE) or ref.lower().endswith(".gguf")
-                                or REPO_ID.fullmatch(ref)):
-            message = missing_model_message(ref, what)
-            if message:
-                raise ModelNotFoundError(message)
-
-
-def _model_option(option: Optional[str], model: Optional[str], prompt: Optional[str]):
-    """-m/--model names the model: then the one positional left is the prompt."""
-    if option is None:
-        return model, prompt
-    if prompt is not None:
-        raise UsageError(f"give MODEL once, as {FLAGS['model'][0]} or as the first argument; got {option!r} "
-                         f"and {model!r}")
-    return option, model
-
-
-def _aliased_model(ref: Optional[str], yes: bool) -> Optional[str]:
-    """An alias (config.toml's [aliases], then the catalog) -> its repo id, downloaded on first
-    use after asking (or with --yes). Anything else is returned unchanged."""
-    from .. import hub
-    from ..models.loader import is_model_ref
-
-    repo = hub.resolve_alias(ref) if ref else None
-    if repo is None:
-        return ref
-    if not is_model_ref(repo):
-        if not yes:
-            if not sys.stdin.isatty():
-                raise UsageError(f"'{ref}' is {repo}, not downloaded yet: run `mlxspec pull {ref}` or pass --yes")
-            if not typer.confirm(f"'{ref}' is {repo}, not downloaded yet; download it now?", default=True):
-                raise typer.Exit(1)
-        from .models import pull_with_progress
-
-        pull_with_progress(repo, None, True)
-    return repo
-
-
-def _read_stdin() -> str:
-    """Stdin as text, without its final newline; bytes that are not UTF-8 are replaced (one note)."""
-    buffer = getattr(sys.stdin, "buffer", None)
-    if buffer is None:
-        text, replaced = valid_text(sys.stdin.read())
-    else:
-        raw = buffer.read()
-        try:
-            text, replaced = raw.decode("utf-8-sig"), False
-        except UnicodeDecodeError:
-            text, replaced = raw.decode("utf-8-sig", "replace"), True
-    if replaced:
-        print_note(replaced_note("stdin"))
-    return text.rstrip("\r\n")
-
-
-def _prompt(prompt: Optional[str], chat: bool) -> Optional[str]:
-    """The prompt: the argument; stdin for "-" or when it is piped and no argument is given; when
-    both are given, stdin's text, a blank line, then the argument (as `llm` joins them). None
-    for the chat."""
-    if chat:
-        return None
-    piped = sys.stdin is not None and not sys.stdin.isatty()
-    if prompt is not None and prompt != "-":
-        try:
-            extra = _read_stdin() if piped else ""
-        except OSError:  # a stdin that cannot be read is no extra text
-            extra = ""
-        return f"{extra}\n\n{prompt}" if extra.strip() else prompt
-    try:
-        text = _read_stdin() if sys.stdin is not None else ""
-    except OSError as err:
-        raise UsageError(f"cannot read the prompt from stdin: {err}") from None
-    if not text.strip():
-        raise UsageError("the prompt on stdin is empty")
-    return text
-
-
-def _argument_text(prompt: Optional[str], system: Optional[str]):
-    """PROMPT and SYSTEM as given on the command line, with bytes that were not UTF-8 replaced
-    (Python hands them over as lone surrogates, which no tokenizer takes); one note if any."""
-    replaced = []
-    if prompt is not None:
-        prompt, bad = valid_text(prompt)
-        replaced += ["the PROMPT argument"] if bad else []
-    if system is not None:
-        system, bad = valid_text(system)
-        replaced += [FLAGS["system"][0]] if bad else []
-    if replaced:
-        print_note(replaced_note(" and ".join(replaced)))
-    return prompt, system
 
 
 def _unused_flags(given: dict, drafter: str, draft_model: Optional[str], depth: Optional[int],
@@ -201,15 +82,18 @@ RUN_HELP = help_text("""
 Generate text with MODEL, speculatively: the output is exactly what MODEL alone would write.
 
 MODEL is a local folder or a Hugging Face repo id already in the local cache (or give it as
--m/--model). Without it the default model is used: $MLXSPEC_DEFAULT_MODEL, else default_model
-in {config}, else a small built-in demo model. With a single argument, it is MODEL if it names
-a model (an existing folder or a cached repo id), starts like a path (/, ./, ../, ~) or looks
-like a repo id (org/name); otherwise it is PROMPT for the default model.
+-m/--model: llama.cpp's -m, mlx-lm's --model; mlx-lm's own -m is its --max-tokens, -n here. A
+second -m/--model, or a model argument beside it, is an error). Without it the default model is
+used: $MLXSPEC_DEFAULT_MODEL, else default_model in {config}, else a small built-in demo model.
+With a single argument, it is MODEL if it names a model (an existing folder or a cached repo
+id), starts like a path (/, ./, ../, ~) or looks like a repo id (org/name); otherwise it is
+PROMPT for the default model.
 
 PROMPT "-" or no PROMPT reads the prompt from stdin when stdin is piped; a PROMPT and piped
-stdin are joined: stdin's text, a blank line, then PROMPT. Without PROMPT on a terminal an
-interactive chat starts (/help lists its commands; \"\"\" starts a multi-line message; Ctrl-C
-stops an answer, Ctrl-D quits).
+stdin are joined: stdin's text, a blank line, then PROMPT. -p/--prompt PROMPT (as mlx-lm's) gives
+the prompt as an option: the one argument left is then MODEL. Without PROMPT on a terminal an
+interactive chat starts (/help lists its commands; a paste of many lines is one message, and
+\"\"\" starts a multi-line message; Ctrl-C stops an answer, Ctrl-D quits).
 
 A thinking model's reasoning (<think>...</think>) is shown dimmed before the answer on a
 terminal and as written when piped; --hide-reasoning prints the answer only, --reasoning off
@@ -229,9 +113,13 @@ ModelArgument = Annotated[Optional[str], typer.Argument(
 PromptArgument = Annotated[Optional[str], typer.Argument(
     metavar="PROMPT", show_default=False,
     help="The prompt; - reads stdin. Omit it to read stdin, or to chat on a terminal.")]
-ModelOption = Annotated[Optional[str], typer.Option(
+ModelOption = Annotated[Optional[List[str]], typer.Option(
     *FLAGS["model"], metavar="MODEL", show_default=False, autocompletion=complete_model,
-    help="MODEL as an option (as mlx-lm's --model): the one argument left is then PROMPT.")]
+    help="MODEL as an option (as mlx-lm's --model, llama.cpp's -m): the one argument left is then PROMPT. "
+         "Given once: a second -m/--model, or a model argument beside it, is an error.")]
+PromptOption = Annotated[Optional[str], typer.Option(
+    "--prompt", "-p", metavar="PROMPT", show_default=False,
+    help="PROMPT as an option (as mlx-lm's -p/--prompt); - reads stdin. The one argument left is then MODEL.")]
 DrafterOption = Annotated[Optional[str], typer.Option(
     autocompletion=complete_drafter,
     help="How drafts are made: " + drafters_help() + " " + _default("auto, or $MLXSPEC_DRAFTER / config"),
@@ -239,12 +127,20 @@ DrafterOption = Annotated[Optional[str], typer.Option(
 DraftModelOption = Annotated[Optional[str], typer.Option(
     "--draft-model", metavar="PATH_OR_REPO",
     help="What drafts tokens for MODEL: a small model sharing its tokenizer, a Gemma-4 assistant or a "
-         "DFlash drafter made for it (told apart by its config.json).")]
+         "DFlash drafter made for it (told apart by its config.json). Also as llama.cpp's -md.")]
+# --draft-model's and --depth's other names: apart, so that --help's columns of names stay narrow
+# (their help names them)
+DraftModelAliasOption = Annotated[Optional[str], typer.Option(
+    "-md", metavar="PATH_OR_REPO", hidden=True, show_default=False)]
 DepthOption = Annotated[Optional[int], typer.Option(
-    help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH}. "
+    "--depth", metavar="K",
+    help=f"Tokens drafted per step, {MIN_DEPTH} to {MAX_DEPTH} (also as mlx-lm's --num-draft-tokens or llama.cpp's "
+         "--draft-max). "
          + _default("adaptive, up to the depth `mlxspec tune` chose, else "
                     + ", ".join(f"{n} for {d}" for d, n in DEFAULT_MAX_DEPTH.items())),
     show_default=False)]
+DepthAliasOption = Annotated[Optional[int], typer.Option(
+    "--num-draft-tokens", "--draft-max", metavar="K", hidden=True, show_default=False)]
 TreeOption = Annotated[Optional[str], typer.Option(
     metavar="N|auto",
     help=f"Draft trees: verify up to N candidate tokens a step in one forward (1 to {MAX_TREE} nodes), exact at "
@@ -318,9 +214,12 @@ def run(
     model: ModelArgument = None,
     prompt: PromptArgument = None,
     model_option: ModelOption = None,
+    prompt_option: PromptOption = None,
     drafter: DrafterOption = None,
     draft_model: DraftModelOption = None,
+    draft_model_alias: DraftModelAliasOption = None,
     depth: DepthOption = None,
+    depth_alias: DepthAliasOption = None,
     tree: TreeOption = None,
     preset: PresetOption = None,
     temp: TempOption = None,
@@ -350,24 +249,26 @@ def run(
         # unset flags come from $MLXSPEC_*, then the config file, then the defaults
         given = settings(dict(drafter=drafter, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                               max_tokens=max_tokens, preset=preset, reasoning=reasoning))
+        depth = run_input.given_once("--depth", depth, depth_alias, "--num-draft-tokens or --draft-max")
+        draft_model = run_input.given_once("--draft-model", draft_model, draft_model_alias, "-md")
         _check_flags(given, draft_model, depth)
         penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, penalty_window=penalty_window)
         check_values(penalties, FLAG_LABELS)
         tree_nodes = parse_tree(tree)
-        model, prompt = _model_option(model_option, model, prompt)
-        model, prompt = _split_positionals(_aliased_model(model, yes), prompt)
-        prompt, system = _argument_text(prompt, system)
+        model, prompt = run_input.model_and_prompt(model_option, prompt_option, model, prompt)
+        model, prompt = run_input.split_positionals(run_input.aliased_model(model, yes), prompt)
+        prompt, system = run_input.argument_text(prompt, system)
         from .machine import prepare_run
 
         drafter, draft_model, preset_options = prepare_run(given["preset"], model, given["drafter"],
                                                            draft_model, ctx)
         draft_model = _unused_flags(given, drafter, draft_model, depth, seed)
-        _check_refs(model, draft_model)
+        run_input.check_refs(model, draft_model)
         chat = prompt is None and sys.stdin is not None and sys.stdin.isatty()
         if chat and json_out:
             raise UsageError("--json needs a PROMPT argument or a prompt on stdin")
-        prompt = _prompt(prompt, chat)
+        prompt = run_input.prompt_text(prompt, chat)
         # each chat turn reuses the conversation so far (config prompt_cache_bytes)
         spec = _load(model, draft_model, given["prompt_cache_bytes"] if chat else None)
         from ..api import GenerationRequest
