@@ -53,7 +53,17 @@ def env(tmp_path, monkeypatch):
 
 
 def invoke(*args, input=None):
-    return CliRunner().invoke(cli.app, [str(a) for a in args], input=input, env={"COLUMNS": "200"})
+    """The command in a 200-column terminal: the consoles (cached per process, so an earlier
+    test in this worker may have fixed their width) are made anew for it, and after it."""
+    from mlxspec.cli import console
+
+    for made in (console.stdout_console, console.stderr_console):
+        made.cache_clear()
+    try:
+        return CliRunner().invoke(cli.app, [str(a) for a in args], input=input, env={"COLUMNS": "200"})
+    finally:
+        for made in (console.stdout_console, console.stderr_console):
+            made.cache_clear()
 
 
 def one_line_error(result) -> str:
