@@ -48,18 +48,11 @@ def dumps(value) -> str:
         if id(v) in seen:
             continue
         seen.add(id(v))
-        if isinstance(v, dict):
-            for k, item in list(v.items()):
+        if isinstance(v, (dict, list)):
+            for k, item in list(v.items() if isinstance(v, dict) else enumerate(v)):
                 if isinstance(item, Raw):
                     raws.append(str(item))
                     v[k] = f"\0raw{len(raws) - 1}\0"
-                elif isinstance(item, (dict, list)):
-                    stack.append(item)
-        elif isinstance(v, list):
-            for i, item in enumerate(v):
-                if isinstance(item, Raw):
-                    raws.append(str(item))
-                    v[i] = f"\0raw{len(raws) - 1}\0"
                 elif isinstance(item, (dict, list)):
                     stack.append(item)
     if isinstance(value, Raw):

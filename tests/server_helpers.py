@@ -45,3 +45,13 @@ def start_server(app) -> tuple[str, object]:
     cm = running(app)
     url = cm.__enter__()
     return url, lambda: cm.__exit__(None, None, None)
+
+
+def until(check, seconds: float = 5.0) -> bool:
+    """Whether CHECK() comes true within SECONDS (polled every 20 ms)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.02)
+    return check()

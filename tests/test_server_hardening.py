@@ -18,7 +18,7 @@ from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.stats import Stats
 from mlxspec.server.app import create_app
 from mlxspec.server.common import Settings
-from server_helpers import running
+from server_helpers import running, until
 
 HELLO = [{"role": "user", "content": "Hello"}]
 BODIES = {  # a non-streaming request of each kind, asking for many tokens
@@ -78,40 +78,31 @@ def _send(url: str, path: str, body: dict, headers: dict | None = None) -> socke
     return sock
 
 
-def _until(check, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
-
-
 # -- clients that leave ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", list(BODIES))
 def test_an_abandoned_non_streaming_request_stops_its_generation(served, scripted, path):
     url, app = served
     sock = _send(url, path, BODIES[path])
-    assert _until(lambda: scripted.calls and scripted.calls[0]["made"] >= 3)
+    assert until(lambda: scripted.calls and scripted.calls[0]["made"] >= 3)
     sock.close()
     call = scripted.calls[0]
     assert call["closed"].wait(5), "the generation went on after its client left"
     assert call["made"] < 1000
-    assert _until(lambda: app.state.server.worker.depth == 0)
+    assert until(lambda: app.state.server.worker.depth == 0)
 
 
 def test_a_queued_request_whose_client_left_never_runs(served, scripted):
     url, app = served
     worker = app.state.server.worker
     running_one = _send(url, "/v1/completions", {"prompt": "x", "max_tokens": 2000, "stream": True})
-    assert _until(lambda: scripted.calls)
+    assert until(lambda: scripted.calls)
     queued = _send(url, "/v1/chat/completions", BODIES["/v1/chat/completions"])
-    assert _until(lambda: worker.depth == 2)
+    assert until(lambda: worker.depth == 2)
     queued.close()
-    assert _until(lambda: worker.depth == 1), "the queued request kept its place after its client left"
+    assert until(lambda: worker.depth == 1), "the queued request kept its place after its client left"
     running_one.close()
-    assert _until(lambda: worker.depth == 0)
+    assert until(lambda: worker.depth == 0)
     time.sleep(0.2)
     assert len(scripted.calls) == 1  # the abandoned one never started
 
@@ -124,12 +115,12 @@ def test_max_queue_zero_lets_nothing_wait(spec, monkeypatch):
         body = {"prompt": "x", "max_tokens": 3}
         assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200  # idle: runs
         busy = _send(url, "/v1/completions", {"prompt": "x", "max_tokens": 2000, "stream": True})
-        assert _until(lambda: len(model.calls) == 2)
+        assert until(lambda: len(model.calls) == 2)
         r = httpx.post(url + "/v1/completions", json=body, timeout=5)
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["type"] == "overloaded_error"
         busy.close()
-        assert _until(lambda: app.state.server.worker.depth == 0)
+        assert until(lambda: app.state.server.worker.depth == 0)
         assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
 
 
@@ -263,7 +254,7 @@ def _serving(grace: float):
 
 
 def _streams(url: str, n: int) -> list[socket.socket]:
-    assert _until(lambda: _healthy(url), 30), "the server did not start"
+    assert until(lambda: _healthy(url), 30), "the server did not start"
     socks = [_send(url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 10**6, "stream": True})
              for _ in range(n)]
     assert socks[0].recv(64).startswith(b"HTTP/1.1 200")  # generating; the others wait in the queue

@@ -28,7 +28,7 @@ from mlxspec.server import lifecycle, parsing
 from mlxspec.server.app import create_app
 from mlxspec.server.common import Settings
 from mlxspec.server.limits import Limits, RepeatLimit
-from server_helpers import free_port
+from server_helpers import free_port, until
 
 MSG = [{"role": "user", "content": "hi"}]
 PARSED = parsing.parsed
@@ -95,15 +95,6 @@ def _status(url: str) -> int:
     return httpx.get(url + "/health", timeout=10).status_code
 
 
-def _until(check, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.02)
-    return check()
-
-
 # -- connections and the time their headers take -------------------------------------------
 
 def test_connections_past_the_limit_close_the_longest_waiting_and_health_answers(spec):
@@ -130,7 +121,7 @@ def test_headers_not_in_within_the_timeout_are_a_408(spec):
         assert _answer(silent, 5).startswith(b"HTTP/1.1 408")
         assert _answer(trickling, 5).startswith(b"HTTP/1.1 408")
         assert time.monotonic() - began < 3
-        assert _until(lambda: not server.server_state.connections)
+        assert until(lambda: not server.server_state.connections)
 
 
 def test_a_kept_alive_connection_gets_the_header_timeout_for_each_request(spec):
@@ -150,7 +141,7 @@ def test_when_every_connection_is_busy_a_new_one_gets_a_503(spec):
         assert answer.startswith(b"HTTP/1.1 503") and b"retry-after" in answer.lower()
         for sock in busy:
             sock.close()
-        assert _until(lambda: _status(url) == 200)
+        assert until(lambda: _status(url) == 200)
 
 
 # -- bodies: their time and the bytes buffered at once -------------------------------------
@@ -168,12 +159,12 @@ def test_a_body_not_in_within_the_timeout_is_a_408(spec):
 def test_bodies_buffered_at_once_are_bounded_and_given_back(spec):
     with serving(spec, Limits(max_buffered_bytes=100_000), max_body_bytes=1 << 20) as (url, app, _server):
         first = _connect(url, _post_head("/v1/chat/completions", 200_000) + b" " * 60_000)
-        assert _until(lambda: app.state.buffered.held == 60_000)
+        assert until(lambda: app.state.buffered.held == 60_000)
         second = _connect(url, _post_head("/v1/chat/completions", 200_000) + b" " * 60_000)
         answer = _answer(second, 5)
         assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:300]
         first.close()
-        assert _until(lambda: app.state.buffered.held == 0)  # given back: a body fits again
+        assert until(lambda: app.state.buffered.held == 0)  # given back: a body fits again
         body = {"messages": MSG, "max_tokens": 2, "pad": " " * 70_000}  # (an unknown field: a 400, read whole)
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 400 and "pad" in r.text
@@ -212,7 +203,7 @@ def serving_apart(model_path) -> str:
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(model_path), str(port)])
     url = f"http://127.0.0.1:{port}"
     try:
-        assert _until(lambda: _answers(url), 60), "the server did not start"
+        assert until(lambda: _answers(url), 60), "the server did not start"
         yield url
     finally:
         server.terminate()

@@ -97,15 +97,22 @@ def test_depth_choice_uses_the_gate_formula():
 
 
 def test_tune_json_cli(dirs, tiny_qwen3, monkeypatch):
+    """The JSON record and the table, each ending with the conclusion in words."""
+    from mlxspec.tuning.choice import conclusion
+
     real = measure.run_tune
     monkeypatch.setattr(measure, "run_tune", lambda spec, **kw: real(spec, **{**kw, "reps": 1, "context": 32}))
     res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--json", "--max-tokens", "12"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert KEYS <= data.keys() and data["depth"].keys() == {"pld"}
+    said = data.pop("conclusion")
+    assert said == conclusion(data) and "run will use" in said
     res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--max-tokens", "12"])
     assert res.exit_code == 0, res.output
     assert "verify cost" in res.stdout and "pld" in res.stdout
+    flat = " ".join(res.stdout.split())  # Rich wraps long lines
+    assert "conclusion: " in flat and "run will use" in flat.split("conclusion: ", 1)[1]
 
 
 def test_tune_dflash_drafter(dirs, tiny_qwen3, tmp_path):
@@ -170,17 +177,3 @@ def test_a_run_follows_a_record_where_speculation_does_not_pay(dirs, tiny_qwen3)
     assert spec.generate("hello", max_tokens=4, drafter="pld").stats.drafter == "pld"  # asked for: kept
 
 
-def test_tune_prints_its_conclusion_and_json_has_it(dirs, tiny_qwen3, monkeypatch):
-    from mlxspec.tuning.choice import conclusion
-
-    real = measure.run_tune
-    monkeypatch.setattr(measure, "run_tune", lambda spec, **kw: real(spec, **{**kw, "reps": 1, "context": 32}))
-    res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--json", "--max-tokens", "12"])
-    assert res.exit_code == 0, res.output
-    data = json.loads(res.stdout)
-    said = data.pop("conclusion")
-    assert said == conclusion(data) and "run will use" in said
-    res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--max-tokens", "12"])
-    assert res.exit_code == 0, res.output
-    flat = " ".join(res.stdout.split())  # Rich wraps long lines
-    assert "conclusion: " in flat and "run will use" in flat.split("conclusion: ", 1)[1]
