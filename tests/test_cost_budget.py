@@ -150,7 +150,7 @@ def test_the_real_model_first_run_measures_within_the_budget(smollm2, tmp_path, 
 def test_ctrl_c_in_a_terminal_during_the_first_run(smollm2_folder, tmp_path):
     """The real model's first run on a pseudo-terminal: the measuring step is shown with its
     progress, and Ctrl-C ends the run with 130 within seconds, without a traceback."""
-    from tests.test_cli import ROOT, Pty
+    from test_cli import ROOT, Pty
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(tmp_path / "config"),
            storage.DATA_ENV: str(tmp_path / "tune"), "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
