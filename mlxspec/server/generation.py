@@ -180,8 +180,7 @@ class Server:
     def _account(self, gen: SurfaceRequest, outcome: Outcome, seconds: float) -> None:
         """Count a finished generation in the metrics and log one line for it."""
         spec = outcome.speculation()
-        self.metrics.count_generation(len(gen.prompt_ids), outcome.completion_tokens, spec["drafted"],
-                                      spec["accepted"], outcome.cached_tokens)
+        self.metrics.count_generation(len(gen.prompt_ids), outcome.completion_tokens, outcome.stats)
         log.info("prompt=%d cached=%d completion=%d finish=%s drafter=%s drafted=%d accepted=%d %.2fs",
                  len(gen.prompt_ids), outcome.cached_tokens, outcome.completion_tokens, outcome.finish_reason,
                  spec["drafter"], spec["drafted"], spec["accepted"], seconds)
