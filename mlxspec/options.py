@@ -62,6 +62,9 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
 DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
+# /v1/responses answers kept in memory for a later previous_response_id (least recently used
+# dropped first; a conversation's turns share their messages, so a long chain costs one copy)
+MAX_STORED_RESPONSES = 64
 # arrays and objects in a request body nest at most this deep (a tool's JSON schema needs a
 # dozen levels; Python's recursion limit, 1000, is far above)
 MAX_JSON_DEPTH = 100

@@ -206,6 +206,33 @@ OLLAMA_GENERATE = [
 
 SHOW = [{"model": MODEL}, {"name": MODEL + ":latest", "verbose": True}]
 
+INFILL = [  # llama.cpp's /infill (test_fim.py fuzzes it on a model with FIM tokens)
+    {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "n_predict": 2, "temperature": 0},
+    {"model": MODEL, "input_prefix": "x = 1\n", "input_suffix": "y = 2\n", "prompt": "z", "stream": True,
+     "input_extra": [{"filename": "a.py", "text": "x = 1\n", "time": 0}, {"text": "y"}], "n_predict": 3,
+     "top_k": 5, "top_p": 0.9, "min_p": 0.1, "seed": -1, "stop": ["\n\n"], "cache_prompt": True,
+     "samplers": ["top_k", "top_p", "infill"], "t_max_predict_ms": 500, "speculation": {"drafter": "pld"}},
+]
+
+RESPONSE_TOOL = {"type": "function", **FN["function"]}  # flat, as /v1/responses takes tools
+RESPONSES = [
+    {"model": MODEL, "input": "What is the weather in Paris?", "instructions": "Be brief.", "max_output_tokens": 2,
+     "temperature": 0},
+    {"input": [USER, {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                      "arguments": '{"city": "Paris"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+               {"role": "developer", "content": [{"type": "input_text", "text": "And tomorrow?"}]}],
+     "tools": [RESPONSE_TOOL], "tool_choice": "auto", "max_output_tokens": 3, "stream": True},
+    {"input": [USER], "tools": [RESPONSE_TOOL], "tool_choice": {"type": "function", "name": "get_weather"},
+     "max_output_tokens": 4, "parallel_tool_calls": False},
+    {"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": SCHEMA, "strict": True}},
+     "max_output_tokens": 4, "stream": True, "reasoning": {"effort": "none", "summary": "auto"}},
+    {"input": [USER, {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+               {"role": "assistant", "content": [{"type": "output_text", "text": "Sunny"}]}], "max_output_tokens": 2,
+     "store": False, "metadata": {"a": "b"}, "user": "u", "top_p": 0.9, "speculation": {"drafter": "pld"},
+     "text": {"format": {"type": "json_object"}}, "include": ["reasoning.encrypted_content"]},
+]
+
 ROUTES = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETIONS,
@@ -214,6 +241,8 @@ ROUTES = {
     "/api/chat": OLLAMA_CHAT,
     "/api/generate": OLLAMA_GENERATE,
     "/api/show": SHOW,
+    "/infill": INFILL,
+    "/v1/responses": RESPONSES,
 }
 
 # a valid request per route, to tell that a kept-alive connection still serves one
@@ -505,10 +534,13 @@ def _with_surrogate_place(rng: random.Random, path: str, body: dict, turn: int) 
         "/api/chat": ["model", "key", "options key", "stop", "tool name", "arguments", "content", "format key"],
         "/api/generate": ["model", "key", "options key", "stop", "raw prompt", "system", "prompt"],
         "/api/show": ["model", "key", "name"],
+        "/infill": ["model", "key", "stop", "input_prefix", "input_suffix", "prompt"],
+        "/v1/responses": ["model", "key", "input", "instructions", "tool name", "content"],
     }[path]
     place = places[turn % len(places)]
     tool = {"type": "function", "function": {"name": text, "parameters": {"type": "object"}}}
-    if place in ("model", "system", "prompt", "guided_regex", "guided_json", "name"):
+    if place in ("model", "system", "prompt", "guided_regex", "guided_json", "name", "input", "instructions",
+                 "input_prefix", "input_suffix"):
         body[place] = text
     elif place == "guided_grammar":
         body[place] = rng.choice([f'start: "{text}"', f"start: /{text}/", f"start: {text}"])

@@ -121,7 +121,7 @@ REFUSED = [
     ("/v1/chat/completions", {**CHAT, "repetition_context_size": 10**30}, "repetition_context_size", "between 1 and"),
     ("/v1/chat/completions", {**CHAT, "temperature": 2.5}, "temperature", "between 0 and 2"),
     ("/v1/chat/completions", {**CHAT, "temperature": float("inf")}, "temperature", "finite"),  # JSON's Infinity
-    ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix", None),
+    ("/v1/completions", {**COMPLETION, "suffix": "end"}, "suffix", "no fill-in-the-middle tokens"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of", None),
     ("/v1/completions", {**COMPLETION, "presence_penalty": -3}, "presence_penalty", "between -2 and 2"),
     ("/v1/messages", {**MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty", None),
@@ -367,7 +367,7 @@ def test_openapi_shows_every_field_a_request_takes(served):
 @pytest.mark.parametrize("method, path, status", [
     ("POST", "/api/pull", 501), ("POST", "/api/embed", 501), ("POST", "/api/embeddings", 501),
     ("DELETE", "/api/delete", 501), ("POST", "/api/blobs/sha256:abc", 501), ("GET", "/api/nothing", 404),
-    ("POST", "/v1/embeddings", 501), ("POST", "/v1/responses", 501), ("GET", "/v1/nothing", 404),
+    ("POST", "/v1/embeddings", 501), ("GET", "/v1/nothing", 404),
     ("POST", "/v1/messages/batches", 404),
 ])
 def test_a_missing_endpoint_answers_in_its_surfaces_shape(served, method, path, status):

@@ -41,9 +41,10 @@ from server_helpers import running
 DEFAULT_SEED = 33
 SEED = int(os.environ.get("MLXSPEC_FUZZ_SEED", DEFAULT_SEED))
 SCALE = float(os.environ.get("MLXSPEC_FUZZ_SCALE", "1"))
-# requests per route: 1,300 in all (20-40 s here), most on the routes with the most to reach
+# requests per route: 1,500 in all (20-40 s here), most on the routes with the most to reach
 CASES = {"/v1/chat/completions": 340, "/v1/completions": 140, "/v1/messages": 260,
-         "/v1/messages/count_tokens": 140, "/api/chat": 240, "/api/generate": 140, "/api/show": 40}
+         "/v1/messages/count_tokens": 140, "/api/chat": 240, "/api/generate": 140, "/api/show": 40,
+         "/v1/responses": 200}
 # share of a route's cases that must be served (2xx): the mutations must reach past the first check
 SERVED_AT_LEAST = 0.1
 MAX_TOKENS_CAP = 4

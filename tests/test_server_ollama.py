@@ -293,6 +293,8 @@ def test_bad_json_unknown_model_and_generate_fields(served):
     for field, value in (("images", ["aGk="]), ("suffix", "end"), ("context", [1, 2])):
         r = httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "x", field: value})
         assert r.status_code == 400 and field in r.json()["error"]
+        # suffix is fill-in-the-middle, refused only because this model has no FIM tokens
+        assert (field == "suffix") == ("fill-in-the-middle" in r.json()["error"])
 
 
 def test_a_key_is_required_when_the_server_has_one(spec):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from . import anthropic, ollama, openai
+from . import anthropic, fim, ollama, openai, responses
 from .common import ServedModel, Settings
 from .generation import Server
 from .limits import Limits
@@ -45,8 +45,10 @@ def create_app(spec: ServedModel, settings: Settings, limits: Limits | None = No
                                             "created": 0, "owned_by": "mlxspec"}]}
 
     app.include_router(openai.router)
+    app.include_router(responses.router)
     app.include_router(anthropic.router)
     app.include_router(ollama.router)
+    app.include_router(fim.router)  # llama.cpp's /infill
     # the last added is the outermost: CORS (preflights need no key), the Host and key checks,
     # then the body limit (an unauthorized body is not read)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, budget=app.state.buffered,

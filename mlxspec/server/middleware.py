@@ -41,7 +41,6 @@ UNSUPPORTED_ROUTES = {
     **{f"/api/{name}": ONE_MODEL for name in ("pull", "push", "create", "copy", "delete", "blobs")},
     **{path: "it serves a text generation model, not embeddings" for path in
        ("/api/embed", "/api/embeddings", "/v1/embeddings")},
-    "/v1/responses": "use /v1/chat/completions",
 }
 
 

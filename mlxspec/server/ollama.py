@@ -27,6 +27,7 @@ from ..api import GenerationRequest
 from ..errors import UsageError
 from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
+from . import fim
 from .common import APIError, EventStream, Outcome, SurfaceRequest, speculation_overrides, started, template_overrides
 from .contract import RequestBody
 from .json_limits import check_json_text
@@ -325,7 +326,7 @@ async def generate(body: GenerateBody, request: Request):
     began = time.perf_counter()
     server = request.app.state.server
     model = served_name(server, body.model)
-    for field in ("images", "suffix", "template", "context"):
+    for field in ("images", "template", "context"):
         if getattr(body, field):
             raise APIError(400, f"{field} is not supported by this server"
                            + (" (text models only)" if field == "images" else "")
@@ -333,7 +334,9 @@ async def generate(body: GenerateBody, request: Request):
     if not body.prompt:
         return loaded(model, body, chat=False)
     fmt = constraint(body.format)
-    if body.raw:  # the prompt as is: no template, no reasoning split (as Ollama)
+    if body.suffix:  # fill-in-the-middle, the prompt the prefix (no template, as Ollama's FIM templates)
+        ids, points, in_reasoning = await server.prompts.run(fim.prompt, server, body.prompt, body.suffix), None, None
+    elif body.raw:  # the prompt as is: no template, no reasoning split (as Ollama)
         server.prompts.check_size(body.prompt)
         ids, points, in_reasoning = await server.prompts.run(server.encode_text, body.prompt), None, None
     else:
@@ -344,6 +347,7 @@ async def generate(body: GenerateBody, request: Request):
         ids, points, in_reasoning = await server.prompts.run(server.chat_prompt, messages, None, kwargs)
         check_answer_start(fmt, in_reasoning, "format")
     gen = surface_request(server, body, ids, points, fmt)
+    gen = fim.with_fim_stops(server, gen) if body.suffix else gen
     return await answer(request, body, gen, in_reasoning, parse_tools=False, chat=False, began=began)
 
 

@@ -14,6 +14,7 @@ from .. import reasoning
 from ..api import GenerationRequest
 from ..errors import UsageError
 from ..options import REASONING_MODES, ConstraintSpec
+from . import fim
 from .common import (
     APIError,
     EventStream,
@@ -324,7 +325,11 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, f"best_of must be 1: this server returns one completion per request, got {body.best_of}",
                        param="best_of")
     options = sampling_options(server, body)
-    if isinstance(body.prompt, str):
+    if body.suffix is not None:  # fill-in-the-middle: the prompt is the prefix
+        if not isinstance(body.prompt, str):
+            raise APIError(400, "suffix needs a text prompt (the prefix), not token ids", param="suffix")
+        prompt_ids = await server.prompts.run(fim.prompt, server, body.prompt, body.suffix)
+    elif isinstance(body.prompt, str):
         if not body.prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         server.prompts.check_size(body.prompt)
@@ -337,6 +342,7 @@ async def completions(body: CompletionRequest, request: Request):
     logprobs = completion_logprobs(body.logprobs)
     gen = _generation(server, body, options, prompt_ids, body.max_tokens, logprobs=logprobs,
                       constraint=request_constraint(body))
+    gen = fim.with_fim_stops(server, gen) if body.suffix is not None else gen
     outcome = Outcome()
     rid, created, model = "cmpl-" + uuid.uuid4().hex, int(time.time()), server.settings.model_name
     prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""

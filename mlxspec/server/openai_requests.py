@@ -106,3 +106,5 @@ class CompletionRequest(SamplingFields):
     max_tokens: Optional[int] = 16
     echo: bool = False
     best_of: Optional[int] = Field(None, description="1: one completion per request")
+    suffix: Optional[str] = Field(None, description="the text after the completion: fill-in-the-middle "
+                                                    "with the model's FIM tokens (a 400 where it has none)")
