@@ -204,6 +204,18 @@ def test_rm_removes_a_conversion(env, tiny_gguf, how):
 # -- Ollama names -----------------------------------------------------------------------------
 
 
+def test_rm_completes_conversion_names_and_their_store_names(env, tiny_gguf):
+    """Shell completion for `rm` offers what `list` shows of the GGUF cache (run and list offer
+    models to load, where a conversion is reached by its GGUF file or store name)."""
+    from mlxspec.cli.console import complete_model, complete_removable
+    from mlxspec.models.loader import resolve_model
+
+    ollama_store(env / "ollama", "tiny", ["q4"], tiny_gguf.read_bytes())
+    folder = resolve_model("ollama:tiny:q4")[0]
+    assert complete_removable("") == complete_model("") + [folder.name, "ollama:tiny:q4"]
+    assert complete_removable("oll") == ["ollama:tiny:q4"] and complete_removable("tiny")[0] == folder.name
+
+
 def test_an_ollama_name_without_its_prefix_says_so(env, tiny_gguf):
     from mlxspec.models.loader import is_model_ref, resolve_model
 

@@ -34,6 +34,20 @@ def complete_model(incomplete: str) -> list[str]:
     return [name for name in dict.fromkeys(names) if name.lower().startswith(incomplete.lower())]
 
 
+def complete_removable(incomplete: str) -> list[str]:
+    """Shell completion for `rm`'s MODEL: what complete_model offers, then the GGUF
+    conversions: their listed names and their `ollama:` / `lmstudio:` sources."""
+    try:
+        from ..models.gguf_cache import list_conversions
+
+        names = [name for c in list_conversions() for name in
+                 (c.name, *(s for s in c.sources if s.startswith(("ollama:", "lmstudio:"))))]
+    except Exception:
+        names = []
+    found = complete_model(incomplete)
+    return found + [n for n in dict.fromkeys(names) if n not in found and n.lower().startswith(incomplete.lower())]
+
+
 # what each drafter is, in the help of every command taking --drafter (keys: options.DRAFTERS)
 DRAFTER_HELP = {
     "auto": "a --draft-model if given, else a DFlash drafter or Gemma-4 assistant found beside MODEL, "

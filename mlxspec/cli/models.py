@@ -13,7 +13,15 @@ import typer
 
 from ..errors import UsageError
 from .app import app
-from .console import complete_model, help_text, print_note, stderr_console, stdout_console, user_errors
+from .console import (
+    complete_model,
+    complete_removable,
+    help_text,
+    print_note,
+    stderr_console,
+    stdout_console,
+    user_errors,
+)
 
 # -- the convert command -----------------------------------------------------
 
@@ -384,7 +392,7 @@ touched either); the next `mlxspec run` of that GGUF converts it again.
 @app.command(name="rm", help=RM_HELP)
 def remove_model(
     model: Annotated[str, typer.Argument(
-        metavar="MODEL", show_default=False, autocompletion=complete_model,
+        metavar="MODEL", show_default=False, autocompletion=complete_removable,
         help="Cached repo id or catalog alias; or a GGUF conversion: its listed name, GGUF file path "
              "or ollama:NAME[:TAG].")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
