@@ -37,20 +37,19 @@ PREFILL_SHARE = 0.25
 PREFILL_CHUNK = 8  # tokens a bounded prefill adds at a time
 
 
-def prefill_within(state: ModelState, context: int, vocab: int, budget: Budget,
-                   seconds: float | None) -> int:
+def prefill_within(state: ModelState, context: int, vocab: int, seconds: float | None) -> int:
     """Fill STATE with up to CONTEXT tokens (all of them when SECONDS is None), chunk by chunk
-    while the next chunk, timed like the last, fits SECONDS and the budget; returns the length.
-    On a slow CPU a 128-token context cost 20+ s of a 135M model's prefill before any timing."""
+    while the next chunk, timed like the last, fits SECONDS; returns the length. On a slow CPU
+    a 128-token context cost 20+ s of a 135M model's prefill before any timing."""
     tokens = [(7 * i) % vocab for i in range(context)]
     if seconds is None:
         state.prefill(tokens)
         return context
-    end = time.perf_counter() + seconds
+    share = Budget(seconds)
     done, last = 0, 0.0
     while done < context:
         chunk = tokens[done:done + PREFILL_CHUNK]
-        if done and (time.perf_counter() + last > end or not budget.fits(last)):
+        if done and not share.fits(last):
             break
         t0 = time.perf_counter()
         state.prefill(chunk)
@@ -84,7 +83,7 @@ def verify_times(
     total)`` follows the forwards."""
     budget = Budget(budget_s)
     state = ModelState(model)
-    prefill_within(state, context, vocab, budget, None if budget_s is None else budget_s * PREFILL_SHARE)
+    prefill_within(state, context, vocab, None if budget_s is None else budget_s * PREFILL_SHARE)
     order = tuple(dict.fromkeys((1,) + tuple(widths)))
     total = 1 + len(order) * (reps + (1 if warmup_each else 0))
     done = 0
@@ -159,7 +158,7 @@ def measure_verify_cost(
     base = times[1]
     curve = {n: t / base for n, t in times.items()}
     cost = CostModel(curve=curve, measured=True)
-    if set(curve) != set(dict.fromkeys((1,) + tuple(widths))):  # cut short by the budget
+    if set(curve) != {1, *widths}:  # cut short by the budget
         measured = sorted(curve)
         if len(measured) >= 2:
             lo, hi = measured[-2:]
