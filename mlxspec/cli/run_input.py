@@ -22,14 +22,16 @@ REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 def split_positionals(model: Optional[str], prompt: Optional[str]):
     """(model ref, prompt): a lone positional is the model if it names one, starts like a path
     or looks like a repo id (org/name); otherwise it is the prompt ("-": read stdin)."""
-    if model is not None and prompt is None:
-        from ..models.loader import is_model_ref
-
-        # a mistyped folder or repo id should fail as a model, not be sent to the demo as a prompt
-        like_a_model = model.startswith(MODEL_LIKE) or model.lower().endswith(".gguf") or REPO_ID.fullmatch(model)
-        if model == "-" or (not like_a_model and not is_model_ref(model)):
-            return None, model
+    # a mistyped folder or repo id should fail as a model, not be sent to the demo as a prompt
+    if model is not None and prompt is None and (model == "-" or not names_model(model)):
+        return None, model
     return model, prompt
+
+
+def written_like_a_model(arg: str) -> bool:
+    """Whether ARG is written as a model, never a prompt: it starts like a path or a store
+    name, ends in .gguf or looks like a repo id (org/name)."""
+    return bool(arg.startswith(MODEL_LIKE) or arg.lower().endswith(".gguf") or REPO_ID.fullmatch(arg))
 
 
 def check_refs(model: Optional[str], draft_model: Optional[str]) -> None:
@@ -39,8 +41,7 @@ def check_refs(model: Optional[str], draft_model: Optional[str]) -> None:
     from .console import missing_model_message
 
     for ref, what in ((model, "model"), (draft_model, "draft model")):
-        if ref is not None and (ref.startswith(MODEL_LIKE) or ref.lower().endswith(".gguf")
-                                or REPO_ID.fullmatch(ref)):
+        if ref is not None and written_like_a_model(ref):
             message = missing_model_message(ref, what)
             if message:
                 raise ModelNotFoundError(message)
@@ -51,25 +52,29 @@ PROMPT_FLAGS = "-p/--prompt"
 
 
 def names_model(arg: str) -> bool:
-    """Whether ARG, given beside -m/--model, is a second model rather than the prompt: it names
-    one, starts like a path, ends in .gguf or looks like a repo id (as a lone argument is read)."""
+    """Whether ARG (a lone argument, or one beside -m/--model) is a model rather than the
+    prompt: it is written like one or names one."""
     from ..models.loader import is_model_ref
 
-    return bool(arg.startswith(MODEL_LIKE) or arg.lower().endswith(".gguf") or REPO_ID.fullmatch(arg)
-                or is_model_ref(arg))
+    return written_like_a_model(arg) or is_model_ref(arg)
 
 
-def model_and_prompt(options: Optional[List[str]], prompt_option: Optional[str], model: Optional[str],
-                  prompt: Optional[str]):
-    """(model, prompt) from -m/--model, -p/--prompt and the positionals. -m/--model names the
-    model: the one positional left is then the prompt; -p/--prompt names the prompt: the one
-    positional left is then the model. Each given twice (or a positional model beside
-    -m/--model) is a usage error naming both: nothing is silently overridden."""
+def model_option(options: Optional[List[str]]) -> Optional[str]:
+    """-m/--model's value (None: not given), given at most once."""
     options = list(options or [])
     if len(options) > 1:
         raise UsageError(f"MODEL given twice: {MODEL_FLAGS} {options[0]!r} and {MODEL_FLAGS} {options[1]!r}; "
                          "give it once")
-    option = options[0] if options else None
+    return options[0] if options else None
+
+
+def model_and_prompt(options: Optional[List[str]], prompt_option: Optional[str], model: Optional[str],
+                     prompt: Optional[str]):
+    """(model, prompt) from -m/--model, -p/--prompt and the positionals. -m/--model names the
+    model: the one positional left is then the prompt; -p/--prompt names the prompt: the one
+    positional left is then the model. Each given twice (or a positional model beside
+    -m/--model) is a usage error naming both: nothing is silently overridden."""
+    option = model_option(options)
     if option is not None and option.isdigit() and not Path(option).exists():
         raise UsageError(f"{MODEL_FLAGS} is the model here (as in llama.cpp), not mlx-lm's -m/--max-tokens; "
                          f"for at most {option} tokens use -n/--max-tokens {option}")

@@ -37,6 +37,7 @@ from .console import (
     quiet_libraries,
     user_errors,
 )
+from .run_input import model_option
 
 SERVE_HELP = """Serve MODEL over HTTP with OpenAI-, Anthropic- and Ollama-compatible endpoints.
 
@@ -178,12 +179,10 @@ def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Opti
 
 def _one_model(argument: Optional[str], options: Optional[List[str]]) -> Optional[str]:
     """The model, from the MODEL argument or -m/--model (as `run` takes it): given once."""
-    options = list(options or [])
-    if len(options) > 1:
-        raise UsageError(f"MODEL given twice: -m/--model {options[0]!r} and -m/--model {options[1]!r}; give it once")
-    if options and argument is not None:
-        raise UsageError(f"MODEL given twice: -m/--model {options[0]!r} and the argument {argument!r}; give it once")
-    return options[0] if options else argument
+    option = model_option(options)
+    if option is not None and argument is not None:
+        raise UsageError(f"MODEL given twice: -m/--model {option!r} and the argument {argument!r}; give it once")
+    return option if option is not None else argument
 
 
 class PortUnavailable(MlxspecError):
