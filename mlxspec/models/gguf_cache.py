@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import InvalidCheckpointError, ModelNotFoundError, UsageError
+from .staging import write_whole
 
 CACHE_ENV = "MLXSPEC_GGUF_CACHE"
 SOURCE_FILE = "mlxspec-source.json"  # beside the conversion's config.json
@@ -57,15 +58,10 @@ def _read_json(path: Path) -> dict:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    """Written whole or not at all (a temporary file renamed over it); failures are ignored:
-    the memo and the source record are conveniences, never a reason for a run to fail."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    """Written whole or not at all; failures are ignored: the memo and the source record are
+    conveniences, never a reason for a run to fail."""
+    with contextlib.suppress(OSError):
+        write_whole(path, json.dumps(data, indent=1))
 
 
 def _memo_key(stat: os.stat_result) -> list:

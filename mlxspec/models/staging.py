@@ -1,5 +1,5 @@
-"""Writing a model folder all or nothing: a conversion is staged beside its output and only
-then renamed into place."""
+"""Writing all or nothing: a conversion is staged beside its output folder and only then
+renamed into place; a small file likewise (:func:`write_whole`)."""
 
 from __future__ import annotations
 
@@ -23,4 +23,18 @@ def staged_folder(out: Path):
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_whole(path: Path, text: str) -> None:
+    """Write TEXT to PATH whole or not at all: a temporary file beside it, renamed over it, so
+    a reader never sees half a file; on failure the temporary file is removed and the error
+    raised."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
         raise

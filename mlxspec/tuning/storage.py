@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..engine.gates import CostModel
 from ..hardware import detect
+from ..models.staging import write_whole
 from ..options import MODEL_DRAFTERS
 
 FORMAT_VERSION = 1
@@ -73,9 +74,7 @@ def save_result(loaded, result: dict) -> Path:
     """Write ``result`` as the record of this machine and model; returns its path."""
     path = result_path(loaded)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")  # a reader never sees half a file
-    tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_whole(path, json.dumps(result, indent=2) + "\n")  # a reader never sees half a file
     return path
 
 
