@@ -11,6 +11,7 @@ long lists are validated a slice at a time, the loop getting the GIL between sli
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -24,17 +25,13 @@ from ..options import PARSE_OFF_LOOP_BYTES
 
 SLICE = 2000  # list items validated per call: ~10 ms of holding the GIL for small messages
 
-_adapters: dict[Any, TypeAdapter] = {}
-_parsers: list[anyio.CapacityLimiter] = []
 
-
+@functools.cache
 def parser_slot() -> anyio.CapacityLimiter:
     """The one worker thread at a time that parses large bodies: the event loop competes for the
     GIL with each thread that holds work, so four parsing at once slow /health fourfold, and
-    parsing them one after the other takes no longer."""
-    if not _parsers:
-        _parsers.append(anyio.CapacityLimiter(1))
-    return _parsers[0]
+    parsing them one after the other takes no longer. Made on first use, inside a request."""
+    return anyio.CapacityLimiter(1)
 
 
 class OffLoopRoute(APIRoute):
@@ -123,7 +120,6 @@ def _validated_in_slices(items: list, annotation: Any) -> list:
     return done
 
 
+@functools.cache
 def _adapter(annotation: Any) -> TypeAdapter:
-    if annotation not in _adapters:
-        _adapters[annotation] = TypeAdapter(annotation)
-    return _adapters[annotation]
+    return TypeAdapter(annotation)
