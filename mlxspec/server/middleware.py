@@ -99,7 +99,7 @@ class BodyLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._reject(scope, send)
+            return await self._refuse(scope, send, *self._too_large().args)
         try:
             first = await self._read_body(receive)
         except BodyRefused as refused:
@@ -147,7 +147,7 @@ class BodyLimit:
                         return message
                     chunk = message.get("body", b"")
                     if len(buffer) + len(chunk) > self.limit:
-                        raise BodyRefused(413, f"request body over {self.limit} bytes", "request_too_large")
+                        raise self._too_large()
                     if not self.budget.take(len(chunk)):
                         raise BodyRefused(503, "the server holds too many request bodies now; retry shortly",
                                           "overloaded_error", None, True, [(b"retry-after", b"1")])
@@ -166,8 +166,9 @@ class BodyLimit:
             return json_fault(body)
         return await anyio.to_thread.run_sync(json_fault, body, limiter=parser_slot())
 
-    async def _reject(self, scope, send):
-        await self._refuse(scope, send, 413, f"request body over {self.limit} bytes", "request_too_large")
+    def _too_large(self) -> BodyRefused:
+        """The 413 of a body over the limit, declared or counted as it arrives."""
+        return BodyRefused(413, f"request body over {self.limit} bytes", "request_too_large")
 
     @staticmethod
     async def _refuse(scope, send, status: int, message: str, kind: str, param: str | None = None,
