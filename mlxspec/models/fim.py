@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from .tokens import plain_ids
+
 NO_FIM_MESSAGE = "this model has no fill-in-the-middle tokens"
 
 # family -> role -> the token's spellings (the first one in the vocabulary is taken)
@@ -83,16 +85,6 @@ def vocabulary(tokenizer) -> dict[str, int]:
     except Exception:  # a stand-in tokenizer
         return {}
     return vocab if isinstance(vocab, dict) else {}
-
-
-def plain_ids(tokenizer, text: str) -> list[int]:
-    """TEXT's token ids with no BOS / EOS added."""
-    if not text:
-        return []
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # an encode without the keyword adds none
-        return list(tokenizer.encode(text))
 
 
 def _bos(tokenizer) -> int | None:

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..api import GenerationRequest
 from ..errors import UsageError
+from ..models.tokens import plain_ids
 from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
 from .common import (
@@ -245,12 +246,7 @@ def rendered(server, body: CountBody) -> Prompt:
         prefill = messages.pop()["content"].rstrip()  # Anthropic rejects trailing whitespace here
     ids = server.encode_chat(messages, tools, kwargs)
     points = server.reuse_points(messages, ids, tools, kwargs)
-    if prefill:
-        tok = server.spec.tokenizer
-        try:
-            ids += list(tok.encode(prefill, add_special_tokens=False))
-        except TypeError:
-            ids += list(tok.encode(prefill))
+    ids += plain_ids(server.spec.tokenizer, prefill)
     in_reasoning = server.starts_in_reasoning(ids)
     check_answer_start(constraint, in_reasoning, "tool_choice")
     return Prompt(ids, tools, constraint, points, in_reasoning)

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 
 from ..api import GenerationRequest
 from ..errors import UsageError
+from ..models.tokens import plain_ids
 from ..options import MAX_STORED_RESPONSES
 from .common import APIError, EventStream, Outcome, SurfaceRequest, speculation_overrides, started, template_overrides
 from .contract import check_options
@@ -202,12 +203,7 @@ def _usage(spec, gen: SurfaceRequest, outcome: Outcome, items: list[dict]) -> di
     """Responses' usage; reasoning_tokens: the reasoning's text tokenized again (the engine
     counts the answer's tokens, not where the reasoning ended)."""
     thought = "".join(p["text"] for i in items if i["type"] == "reasoning" for p in i["content"])
-    reasoning = 0
-    if thought:
-        try:
-            reasoning = len(spec.tokenizer.encode(thought, add_special_tokens=False))
-        except TypeError:  # a tokenizer without the keyword
-            reasoning = len(spec.tokenizer.encode(thought))
+    reasoning = len(plain_ids(spec.tokenizer, thought))
     n_in, n_out = len(gen.prompt_ids), outcome.completion_tokens
     return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": outcome.cached_tokens},
             "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": min(reasoning, n_out)},
