@@ -62,10 +62,17 @@ def family(name: str, kind: str, what: str, samples: list[tuple[str, int | float
 class Metrics:
     def __init__(self):
         self.requests: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = self.completion_tokens = self.drafted = self.accepted = 0
-        self.cached_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.verify_steps = self.plain_steps = self.queued_used = self.queued_dropped = 0
-        self.drafters: dict[str, DrafterCounts] = {}
+        self.drafters: dict[str, DrafterCounts] = {}  # drafted and accepted are their sums
+
+    @property
+    def drafted(self) -> int:
+        return sum(c.draft_tokens for c in self.drafters.values())
+
+    @property
+    def accepted(self) -> int:
+        return sum(c.accepted for c in self.drafters.values())
 
     def observe(self, surface: str, status: int) -> None:
         self.requests[(surface, status)] = self.requests.get((surface, status), 0) + 1
@@ -75,8 +82,6 @@ class Metrics:
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
         self.cached_tokens += stats.cached_tokens
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
         self.verify_steps += stats.verify_steps
         self.plain_steps += stats.plain_steps
         self.queued_used += stats.queued_used
