@@ -219,10 +219,12 @@ def _by_digest(root: Path, digest: str) -> Path | None:
     return None
 
 
-def _record(folder: Path, digest: str, label: str, gguf_bytes: int, new: bool = False) -> None:
-    record = {} if new else _read_json(folder / SOURCE_FILE)
+def _record(folder: Path, digest: str, label: str, gguf_bytes: int) -> None:
+    """Add LABEL to the sources FOLDER's record names (writing the record an earlier version's
+    folder lacks)."""
+    record = _read_json(folder / SOURCE_FILE)
     sources = [s for s in record.get("sources", []) if isinstance(s, str)]
-    if not new and record and label in sources:
+    if record and label in sources:
         return
     if "converted" not in record:  # an earlier version's folder: when its config was written
         when = datetime.now(timezone.utc)
