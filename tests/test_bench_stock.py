@@ -5,6 +5,7 @@ ratios with their median and interquartile range, and the cell schema."""
 import functools
 import os
 import sys
+from pathlib import Path
 
 import mlx.nn as nn
 import pytest
@@ -46,7 +47,8 @@ def test_the_baseline_process_is_stock_and_says_so():
 
 def test_kernels_planted_in_the_baseline_process_fail_the_check():
     with pytest.raises(NotStock) as err:
-        StockBaseline("smoke", bits=4, vocab=1024, plant_kernels=True)
+        StockBaseline("smoke", bits=4, vocab=1024,
+                      worker=(sys.executable, str(Path(__file__).parent / "planted_stock_worker.py")))
     text = str(err.value)
     assert "imported mlxspec.kernels" in text
     assert "mlx_lm.models.qwen3_5.gated_delta_update is mlxspec.kernels.gdn.gated_delta_update" in text

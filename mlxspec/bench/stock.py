@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Sequence
 
 from ..errors import MlxspecError
 from .stock_evidence import failures
@@ -40,15 +41,13 @@ class StockBaseline:
     """One stock mlx-lm process for one model: a random one of ``shape`` (``bits``, ``vocab``,
     ``draft_shape``: :meth:`run` generates with its logits scripted), or the checkpoint at
     ``path`` (with ``draft_path``: :meth:`stream`). ``wait``: False returns at once, the model
-    still building there (:meth:`ready` waits). ``plant_kernels``: tests only (see the worker)."""
+    still building there (:meth:`ready` waits). ``worker``: the command that starts the process
+    (default: ``python -m mlxspec.bench.stock_worker``)."""
 
     def __init__(self, shape: str | None = None, *, bits: int = 4, vocab: int | None = None,
                  draft_shape: str | None = None, path: str | None = None, draft_path: str | None = None,
-                 plant_kernels: bool = False, wait: bool = True):
-        command = [sys.executable, "-m", "mlxspec.bench.stock_worker"]
-        command += [arg for name in started_without() for arg in ("--unset-env", name)]
-        if plant_kernels:
-            command.append("--plant-kernels")
+                 worker: Sequence[str] = (sys.executable, "-m", "mlxspec.bench.stock_worker"), wait: bool = True):
+        command = [*worker] + [arg for name in started_without() for arg in ("--unset-env", name)]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

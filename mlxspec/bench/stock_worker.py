@@ -9,7 +9,7 @@ loaded once, so baseline and mlxspec runs can alternate cheaply. Every answer to
 ``evidence`` carries :func:`.stock_evidence.evidence`: the proof that nothing of mlxspec's is in
 mlx-lm here.
 
-    python -m mlxspec.bench.stock_worker [--unset-env NAME ...] [--plant-kernels]
+    python -m mlxspec.bench.stock_worker [--unset-env NAME ...]
 
 Protocol: one JSON object a line on stdin, one answer a line on stdout (anything else written to
 stdout goes to stderr). Requests: ``{"op": "build", "shape", "bits", "vocab", "draft_shape"}``,
@@ -19,8 +19,8 @@ stdout goes to stderr). Requests: ``{"op": "build", "shape", "bits", "vocab", "d
 through ``mlx_lm.load`` / ``mlx_lm.stream_generate``), ``{"op": "evidence"}``, ``{"op": "quit"}``;
 answers ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. ``--unset-env``: variables
 mlxspec's import sets that the user had not (``MLX_CUDA_GRAPH_CACHE_SIZE``), removed before MLX
-runs anything. ``--plant-kernels`` (tests only) installs mlxspec's kernels here as a loaded model
-gets them, so the evidence must say the process is not stock.
+runs anything. :func:`main` takes another :class:`Worker` class: the tests start one that
+installs mlxspec's kernels, and its evidence must say the process is not stock.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ def generate(model, draft, prompt: list[int], max_tokens: int, temperature: floa
 
 
 class Worker:
-    def __init__(self, plant_kernels: bool = False):
-        self.plant_kernels = plant_kernels
+    def __init__(self):
         self.model = self.draft = self.tokenizer = None
         self.scripts: list = []
 
@@ -76,8 +75,6 @@ class Worker:
         self.model = random_model(shape, bits=bits, kernels=False)
         self.draft = (random_model(draft_shape, vocab=vocab, bits=bits, seed=2, kernels=False)
                       if draft_shape else None)
-        if self.plant_kernels:
-            self._plant()
         self.scripts = [ScriptedLogits(m, [0]) for m in (self.model, self.draft) if m is not None]
         return self.evidence()
 
@@ -88,8 +85,6 @@ class Worker:
 
         self.model, self.tokenizer = load(path)
         self.draft = load(draft_path)[0] if draft_path else None
-        if self.plant_kernels:
-            self._plant()
         self.scripts = []
         return self.evidence()
 
@@ -120,19 +115,6 @@ class Worker:
             finish = r.finish_reason
         return {"tokens": tokens, "ttft_s": stamps[0] - t0 if stamps else None,
                 "decode_s": stamps[-1] - stamps[0] if stamps else 0.0, "from_draft": from_draft, "finish": finish}
-
-    def _plant(self) -> None:
-        """What a loaded model gets in mlxspec's own process (tests: the evidence must catch it).
-        ``kernels.install`` does nothing off CUDA, so its parts are called directly."""
-        from .. import kernels
-        from ..kernels import attention, gdn, qmm
-
-        for m in (self.model, self.draft):
-            if m is not None:
-                kernels.install(m)
-                gdn.install()
-                attention.install(m)
-                qmm.install(m)
 
     def evidence(self) -> dict:
         import mlx.core as mx
@@ -192,17 +174,16 @@ def serve(worker: Worker, requests, answers) -> None:
         answers.flush()
 
 
-def main(argv=None) -> None:
+def main(argv=None, worker: type[Worker] = Worker) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlxspec.bench.stock_worker")
     parser.add_argument("--unset-env", action="append", default=[], metavar="NAME")
-    parser.add_argument("--plant-kernels", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in args.unset_env:  # before MLX runs anything: MLX reads them when a stream first runs
         os.environ.pop(name, None)
     answers = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout
     os.dup2(2, 1)  # whatever else writes to stdout (Python or native) lands on stderr
     sys.stdout = sys.stderr
-    serve(Worker(plant_kernels=args.plant_kernels), sys.stdin, answers)
+    serve(worker(), sys.stdin, answers)
 
 
 if __name__ == "__main__":
