@@ -146,7 +146,8 @@ def test_run_drafts_with_dflash_given_or_found(pair):
     given = invoke("run", target, *common, "--draft-model", drafter)
     assert given.exit_code == 0, given.output
     out = json.loads(given.stdout)
-    assert out["stats"]["drafter"] == "dflash" and out["stats"]["drafted"] > 0
+    # this random drafter never agrees: checked on trial (probes), it never got to a verify
+    assert out["stats"]["drafter"] == "dflash" and out["stats"]["probes"] > 0
     assert out["tokens"] == json.loads(plain.stdout)["tokens"]
     found = invoke("run", target, *common)  # none given: the one beside the target
     assert found.exit_code == 0, found.output

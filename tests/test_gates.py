@@ -57,10 +57,40 @@ def test_useless_draft_model_is_switched_off(qwen3, tiny_qwen3_draft):
     assert out == plain
     assert stats.acceptance < 0.2
     off = [e for e in stats.gate_events if not e.enabled]
-    assert off and "stopped paying" in off[0].reason
-    # after switching off it only probes now and then, with growing gaps
-    assert stats.verify_steps <= 12
-    assert stats.plain_steps >= 180
+    # on trial, its proposals were checked against plain tokens: not one verify was spent
+    assert off and "trial proposals" in off[0].reason and off[0].at_token <= 4
+    assert stats.verify_steps == 0 and stats.plain_steps == 200
+    # after switching off it only probes now and then, with growing gaps (16, 32, 64 tokens)
+    assert 4 <= stats.probes <= 8
+
+
+def test_probes_take_no_random_draw(qwen3, tiny_qwen3_draft):
+    """A drafter the gate keeps off changes nothing of a seeded sampled run: its probes are
+    greedy and never verified, so the request's draws are plain decoding's, one per token."""
+    model, tok = qwen3
+    draft = mlx_lm.load(str(tiny_qwen3_draft))[0]
+    prompt = tok.encode(NOVEL_PROMPT)
+    sampling = SamplingParams(temperature=0.9)
+    runs = []
+    for kw in (dict(drafter="none"), dict(drafter="draft", draft_model=draft)):
+        out, stats = [], None
+        for toks, stats in SpeculativeDecoder(model, **kw).generate(prompt, sampling=sampling, max_tokens=120,
+                                                                     seed=11):
+            out.extend(toks)
+        runs.append((out, stats))
+    (plain, _), (probed, stats) = runs
+    assert stats.verify_steps == 0 and stats.probes >= 4
+    assert probed == plain
+
+
+def test_a_drafter_that_agrees_leaves_its_trial_at_once(qwen3):
+    model, tok = qwen3
+    _, stats = run(model, tok.encode(NOVEL_PROMPT), n=40, drafter="draft", draft_model=model,
+                   cost=CostModel(slope=0.08))
+    # one trial proposal agreed: it speculated from the next step (a draft as large as the
+    # target may be switched off later for its cost, not for its drafts)
+    assert stats.probes >= 1 and stats.acceptance == 1.0 and stats.verify_steps >= 3
+    assert all(e.at_token >= 8 for e in stats.gate_events)
 
 
 def test_prompt_gate_keeps_lookup_off_for_novel_prompts(qwen3):
@@ -226,7 +256,9 @@ def test_verify_widths_are_timed_in_interleaved_rounds(monkeypatch):
 
 
 def test_a_drafter_that_is_never_right_is_switched_off_after_three_steps():
-    """Nothing accepted: 3 steps of evidence suffice; one accepted token: the usual 8."""
+    """A model drafter starts on trial: proposals checked against plain tokens, no verify.
+    Nothing accepted: off after 3 trial proposals and no verify; one accepted at once:
+    speculation starts and the usual 8 steps of evidence decide."""
     from mlxspec.engine.gates import CostModel, SpeculationGate
 
     class Head(PromptLookupDrafter):
@@ -234,11 +266,23 @@ def test_a_drafter_that_is_never_right_is_switched_off_after_three_steps():
         cost_per_token = 0.05
 
     flat = CostModel(curve={n: 1.0 + 0.3 * (n - 1) for n in range(1, 10)}, measured=True)  # 27B-like
-    for first_accepted, off_after in ((0, 3), (1, 8)):
+    for first_accepted, probes_then, verifies_then in ((0, 3, 0), (1, 1, 7)):
         gate = SpeculationGate(Head(), 4, flat)
-        steps = 0
-        while gate.depth() > 0 and steps < 20:
+        probes = verifies = 0
+        while probes + verifies < 20:
             k = gate.depth()
-            gate.observe(k, first_accepted if steps == 0 else 0)
-            steps += 1
-        assert not gate.on and steps == off_after, (first_accepted, steps)
+            if k == 0:
+                if not gate.trial:
+                    break
+                assert gate.probe_depth() == 1 and gate.shadowing and gate.would_draft()
+                gate.observe(1, first_accepted if probes == 0 else 0)
+                probes += 1
+            else:
+                gate.observe(k, 0)
+                verifies += 1
+        assert not gate.on and (probes, verifies) == (probes_then, verifies_then), (first_accepted, probes, verifies)
+        assert gate.probe_depth() == 0  # off: the next probe waits 16 plain tokens
+        for _ in range(16):
+            gate.tick_plain()
+        assert gate.would_draft() and gate.depth() == 0 and gate.probe_depth() == 1
+        assert gate.probe_depth() == 0  # and the one after it 32

@@ -118,6 +118,8 @@ class SpeculationGate:
     # that never agrees cost 8 failed verifies per request, 10-20% of a short answer on
     # CUDA hybrid shapes, where a failed verify costs about two plain steps).
     MIN_EVIDENCE_NONE_ACCEPTED = 3
+    # Longest gap between probes while speculation is off (plain tokens).
+    MAX_PROBE_GAP = 512
 
     def __init__(
         self,
@@ -140,6 +142,12 @@ class SpeculationGate:
         self._best: tuple[int, float] | None = None
         self._evidence = 0
         self._accepted = 0
+        # A model drafter (MTP head, draft model, assistant, DFlash) is first on trial: its
+        # proposals are checked against the plain tokens that follow, not verified, until one
+        # agrees (speculation starts) or MIN_EVIDENCE_NONE_ACCEPTED did not (off). A failed
+        # verify costs about two plain steps on CUDA; a trial proposal one drafter forward.
+        # A depth the user fixed speculates from the start (the gate may still turn it off).
+        self.trial = enabled and drafter.uses_model and not fixed_depth
 
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
@@ -174,29 +182,49 @@ class SpeculationGate:
     def depth(self) -> int:
         if not self.gating:
             return self.max_depth if self.fixed_depth else self.best_depth()[0]
+        if self.trial:
+            if self._accepted:
+                self.trial = False
+            elif self._evidence >= self.MIN_EVIDENCE_NONE_ACCEPTED:
+                self.trial = False
+                self.switch(False, f"no draft agreed with the model in {self._evidence} trial proposals")
+            else:
+                return 0
         k, gain = self.best_depth()
         enough = self.MIN_EVIDENCE if self._accepted else self.MIN_EVIDENCE_NONE_ACCEPTED
         if self.on and gain < self.OFF_BELOW and self._evidence >= enough:
             self.switch(False, f"drafts stopped paying (expected {gain:.2f}x)")
         elif not self.on and gain > self.ON_ABOVE:
             self.switch(True, f"drafts pay again (expected {gain:.2f}x)")
-        if self.on:
-            return k
-        if self._probe_due():
-            # No free shadow check for a model drafter: probe now and then, backing off.
-            self._since_off = 0
-            self._probe_every = min(self._probe_every * 2, 512)
+        return k if self.on else 0
+
+    @property
+    def shadowing(self) -> bool:
+        """Whether proposals are checked against plain tokens instead of verified (off, or on trial)."""
+        return self.gating and (self.trial or not self.on)
+
+    def probe_depth(self) -> int:
+        """Depth of a model drafter's proposal to check against the coming plain tokens, asked
+        when ``depth()`` said 0: while on trial every time, while off now and then, backing
+        off (prompt lookup needs none: its shadow proposals are free); 0: none due."""
+        if not self.drafter.uses_model or not self.shadowing:
+            return 0
+        if self.trial:
             return 1
-        return 0
+        if not self._probe_due():
+            return 0
+        self._since_off = 0
+        self._probe_every = min(self._probe_every * 2, self.MAX_PROBE_GAP)
+        return 1
 
     def _probe_due(self) -> bool:
         return self.drafter.uses_model and self._since_off >= self._probe_every
 
     def would_draft(self) -> bool:
         """Cheap guess of whether the next ``depth()`` will be non-zero (for pipelining)."""
-        if self.on or not self.gating:
+        if (self.on and not self.trial) or not self.gating:
             return True
-        return self.best_depth()[1] > self.ON_ABOVE or self._probe_due()
+        return self.trial or self.best_depth()[1] > self.ON_ABOVE or self._probe_due()
 
     def tick_plain(self) -> None:
         """One token was decoded plainly."""
@@ -214,13 +242,18 @@ class SpeculationGate:
 
 
 class ShadowDrafts:
-    """While speculation is off, check for free what prompt lookup would have proposed."""
+    """While speculation is off, check what the drafter would have proposed against the plain
+    tokens: prompt lookup's proposals for free at every step, a model drafter's when offered."""
 
     def __init__(self, drafter: Drafter, depth: int):
         self.drafter = drafter
         self.depth = depth
         self.start = 0
         self.proposal: list[int] = []
+
+    def offer(self, tokens: list[int], proposal: list[int]) -> None:
+        """A model drafter's proposal to follow TOKENS, to be checked as the plain tokens come."""
+        self.proposal, self.start = list(proposal), len(tokens)
 
     def update(self, tokens: list[int]) -> tuple[int, int] | None:
         """Call after tokens grew; returns (drafted, accepted) when a proposal is settled."""
@@ -262,3 +295,15 @@ class AheadGate:
     @property
     def on(self) -> bool:
         return self.rate >= self.ON_AT
+
+
+@dataclass
+class Guess:
+    """The next verify as guessed before the current one is read: every draft accepted, the
+    target's next token ``bonus``, then the drafter's ``drafts``. ``logprobs`` is set when
+    that verify was queued on the device (a forward at cache length ``start``)."""
+
+    start: int
+    bonus: int
+    drafts: list[int]
+    logprobs: mx.array | None = None

@@ -9,7 +9,6 @@ nothing over ``mlx_lm.stream_generate``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -21,28 +20,16 @@ from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
 from .cache import ModelState
 from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
-from .drafters.base import Draft, Drafter
+from .drafters.base import GREEDY, Draft, Drafter
 from .drafters.pld import repetition_score
 from .drafters.registry import make_drafter
-from .gates import AheadGate, CostModel, ShadowDrafts, SpeculationGate
+from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate
 from .logprobs import TokenLogprob, token_logprobs
 from .penalties import Penalties
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
 from .tree_step import TreePolicy, TreeUnsupported, tree_step
-
-
-@dataclass
-class _Guess:
-    """The next verify as guessed before the current one is read: every draft accepted, the
-    target's next token ``bonus``, then the drafter's ``drafts``. ``logprobs`` is set when
-    that verify was queued on the device (a forward at cache length ``start``)."""
-
-    start: int
-    bonus: int
-    drafts: list[int]
-    logprobs: mx.array | None = None
 
 
 class SpeculativeDecoder:
@@ -166,14 +153,13 @@ class _Run:
             )
             self.stats.depth = self.gate.max_depth
             self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
-            if not self.drafter.uses_model:
-                self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
+            self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
         self.trees = None
         if self.drafter is not None and dec.tree != 0:
             self.trees = TreePolicy.for_target(dec.tree, self.gate.cost, self.target.recurrent)
         # Pipelining: host drafters can guess the next verify before this one is read
         self.ahead = AheadGate() if self.drafter is not None and not self.drafter.uses_model else None
-        self.guess: _Guess | None = None
+        self.guess: Guess | None = None
         self.emitted = 0
         self.done = False
         self.t_first = self.t0
@@ -234,6 +220,8 @@ class _Run:
                     new = self._tree(k) if k > 0 else None  # a tree step, where one pays
                     if k > 0 and new is None:
                         draft = self.drafter.propose(self.tokens, k, self._draft_sampling())
+                    elif k == 0:
+                        self._probe(self.gate.probe_depth())
                 if new is None and draft is not None:
                     new = self._speculative_step(draft)
                 elif new is None:
@@ -342,7 +330,7 @@ class _Run:
         self.stats.plain_steps += 1
         if self.gate is not None:
             self.gate.tick_plain()
-        if self.shadow is not None and not self.gate.on:
+        if self.shadow is not None and self.gate.shadowing:
             settled = self.shadow.update(self.tokens)
             if settled:
                 self.gate.observe(*settled)
@@ -363,6 +351,17 @@ class _Run:
             self._pass_hidden(self.target.hidden)
             mx.async_eval(nxt)
         return pending.item(), nxt
+
+    def _probe(self, k: int) -> None:
+        """A model drafter's greedy proposal (no random draw taken), checked against the plain
+        tokens that follow instead of verified: gate evidence for one drafter forward."""
+        if k <= 0:
+            return
+        draft = self.drafter.propose(self.tokens, k, GREEDY)
+        self.drafter.rollback(len(self.tokens) - 1)  # nothing of it is fed to the target
+        if draft is not None and len(draft):
+            self.shadow.offer(self.tokens, draft.host_tokens())
+            self.stats.probes += 1
 
     def _tree(self, k: int) -> list[int] | None:
         """A tree step when the policy says one pays (see tree_step.py); None: draft a chain."""
@@ -408,11 +407,11 @@ class _Run:
         self._undo_queued(guess)
         return None
 
-    def _undo_queued(self, guess: _Guess) -> None:
+    def _undo_queued(self, guess: Guess) -> None:
         self.stats.queued_dropped += 1
         self.target.rollback_to(guess.start)  # undoes that forward alone
 
-    def _guess_next(self, draft, k: int) -> _Guess | None:
+    def _guess_next(self, draft, k: int) -> Guess | None:
         """The verify after this one if every draft is accepted: the drafter's guess of the
         target's next token and of what it will then propose, at the same depth."""
         if self.ahead is None or draft.host is None:
@@ -423,7 +422,7 @@ class _Run:
         found = self.drafter.peek(self.tokens, draft.host, k_next + 1)
         if len(found) < k_next + 1:
             return None
-        guess = _Guess(self.target.length, found[0], found[1:])
+        guess = Guess(self.target.length, found[0], found[1:])
         if self.ahead.on:
             # Only the forward is queued: the acceptance draws (random at temperature > 0)
             # are made once the guess is confirmed, in the same order as without queueing.

@@ -34,6 +34,9 @@ class Stats:
     # verifies queued before the step before them was read: used as queued, or dropped
     queued_used: int = 0
     queued_dropped: int = 0
+    # model drafters' proposals checked against plain tokens instead of verified (gate evidence
+    # while speculation is off or on trial; not counted in drafted/accepted)
+    probes: int = 0
     tree_steps: int = 0  # verifies of a draft tree (counted in verify_steps too)
     tree_nodes: int = 0  # draft nodes those trees held
     tree_note: str | None = None  # why chains were verified where trees could have been
@@ -122,6 +125,7 @@ class Stats:
             "plain_steps": self.plain_steps,
             "queued_used": self.queued_used,
             "queued_dropped": self.queued_dropped,
+            "probes": self.probes,
             "tree_steps": self.tree_steps,
             "tree_nodes": self.tree_nodes,
             "tree_note": self.tree_note,
