@@ -347,9 +347,16 @@ class SpecModel:
         decoder before each step and emptied into that step's chunk."""
         detok = self.tokenizer.detokenizer
         detok.reset()
-        stats = None
+        stats, accepted = None, 0
         for tokens, stats in steps:
-            for t in tokens:
+            # a verify step's accepted drafts are its first tokens (stats is the decoder's own,
+            # updated in place: its count is read now); their text leads the chunk's
+            drafts = min(stats.accepted - accepted, len(tokens))
+            accepted = stats.accepted
+            start, drafted_end = len(detok.text), None
+            for i, t in enumerate(tokens):
+                if i == drafts:
+                    drafted_end = len(detok.text)
                 if t in self.tokenizer.eos_token_ids:
                     continue
                 detok.add_token(t)
@@ -357,7 +364,10 @@ class SpecModel:
             if logprobs is not None:
                 step = logprobs[:]
                 logprobs.clear()
-            yield Chunk(text=detok.last_segment, tokens=tokens, stats=stats, logprobs=step)
+            text = detok.last_segment
+            end = drafted_end if drafted_end is not None else start + len(text)
+            drafted = min(max(end - start, 0), len(text)) if drafts else 0
+            yield Chunk(text=text, tokens=tokens, stats=stats, logprobs=step, drafted_chars=drafted)
         detok.finalize()
         tail = detok.last_segment
         if tail and stats is not None:

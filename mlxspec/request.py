@@ -109,12 +109,14 @@ class GenerationRequest:
 @dataclass
 class Chunk:
     """What ``stream`` yields: the new text and tokens, and the running stats; with
-    ``logprobs`` requested, one TokenLogprob per token of ``tokens`` (else None)."""
+    ``logprobs`` requested, one TokenLogprob per token of ``tokens`` (else None);
+    ``drafted_chars``: how many leading characters of ``text`` came from accepted draft tokens."""
 
     text: str
     tokens: list[int]
     stats: Stats
     logprobs: list[TokenLogprob] | None = None
+    drafted_chars: int = 0
 
 
 @dataclass

@@ -61,7 +61,11 @@ or per request "reasoning" ("off", {"enabled": false}), "reasoning_effort" ("non
 "disabled"}).
 
 Binding to anything but loopback needs an API key (--api-key, --api-key-file or
-MLXSPEC_API_KEY), given by clients as `Authorization: Bearer KEY` or `x-api-key: KEY`."""
+MLXSPEC_API_KEY), given by clients as `Authorization: Bearer KEY` or `x-api-key: KEY`.
+
+A browser opening / gets a chat page over the OpenAI endpoint: streaming, tok/s and acceptance
+live, text from accepted draft tokens marked, a stop button (it asks for the API key when one is
+set). On by default on loopback, off elsewhere unless --ui; --no-ui turns it off."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -132,6 +136,10 @@ def serve(
         help="Default reasoning of thinking models: on, off or auto (the chat template's default); "
              "requests override it (default: $MLXSPEC_REASONING, config, else auto).")] = None,
     cors: Annotated[bool, typer.Option("--cors", help="Allow cross-origin requests from any origin.")] = False,
+    ui: Annotated[Optional[bool], typer.Option(
+        "--ui/--no-ui", show_default=False,
+        help="The chat page at / (a browser's request; default: on when bound to loopback, off "
+             "otherwise).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
 ) -> None:
     with user_errors():
@@ -145,19 +153,22 @@ def serve(
         model = _one_model(model, model_option)
         if max_connections < 1:
             raise UsageError("--max-connections must be >= 1")
+        ui_on = _is_loopback(host) if ui is None else ui
         check_port_free(host, port)  # before the model loads: minutes, for a port in use
         from .machine import prepare_run
 
         drafter, draft_model, _ = prepare_run(given["preset"], model, given["drafter"], draft_model, ctx)
         spec, application = _build_app(model, draft_model, cache_bytes, max_connections, api_key=key,
                                        max_queue=max_queue, max_tokens_cap=max_tokens_cap, drafter=drafter,
-                                       cors=cors, reasoning=given["reasoning"])
+                                       cors=cors, reasoning=given["reasoning"], ui=ui_on)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
     print_note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
                f"{', draft ' + spec.draft.name if spec.draft else ''})")
     body = f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
     print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    if ui_on:
+        print_note(f"chat page: open {url}/ in a browser")
     _run_server(application, host, port, log_level)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from . import anthropic, fim, ollama, openai, responses
+from . import anthropic, fim, ollama, openai, responses, ui
 from .common import ServedModel, Settings
 from .generation import Server
 from .limits import Limits
@@ -44,6 +44,8 @@ def create_app(spec: ServedModel, settings: Settings, limits: Limits | None = No
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model",
                                             "created": 0, "owned_by": "mlxspec"}]}
 
+    if settings.ui:  # the chat page: before Ollama's "/", which it answers for non-browsers
+        app.include_router(ui.router)
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(anthropic.router)

@@ -51,6 +51,7 @@ class Settings:
     cors: bool = False
     reasoning: str = "auto"  # on | off | auto: the chat template's enable_thinking by default
     prompt_workers: int = 2  # prompts rendered and tokenized at once (max_queue more may wait)
+    ui: bool = True  # the chat page at / and /ui/ (ui.py); serve turns it off off loopback
 
 
 class ServedModel(Protocol):
@@ -93,6 +94,26 @@ class Outcome:
     # with logprobs requested: one per answer token so far (end-of-text tokens left out); a
     # surface streaming them sends those past what it sent with its last delta
     logprobs: list | None = None
+    # character spans [start, end) of text that came from accepted draft tokens (may reach past
+    # text: what a stop string cut off)
+    drafted_spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def add_drafted(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        if self.drafted_spans and self.drafted_spans[-1][1] == start:
+            start = self.drafted_spans.pop()[0]
+        self.drafted_spans.append((start, end))
+
+    def drafted_within(self, start: int, end: int) -> list[list[int]]:
+        """The drafted spans inside text[start:end], relative to START."""
+        out = []
+        for a, b in reversed(self.drafted_spans):  # the latest first: deltas are the text's end
+            if b <= start:
+                break
+            if a < end:
+                out.append([max(a, start) - start, min(b, end) - start])
+        return out[::-1]
 
     def speculation(self) -> dict:
         s = self.stats
@@ -103,6 +124,38 @@ class Outcome:
     def cached_tokens(self) -> int:
         """Prompt tokens restored from the prefix cache instead of prefilled."""
         return self.stats.cached_tokens
+
+
+class DraftMarks:
+    """Where a stream's text pieces (the reasoning and answer pieces of OUTCOME's text, tags
+    and the newlines around them left out) lie in that text, and which of their characters came
+    from accepted draft tokens: the stream's ``x_mlxspec`` extension."""
+
+    def __init__(self, outcome: Outcome):
+        self.outcome, self.at = outcome, 0
+
+    def locate(self, piece: str) -> int | None:
+        text, at = self.outcome.text, self.at
+        while at < len(text) and not text.startswith(piece, at):
+            tag = next((t for t in (reasoning.OPEN, reasoning.CLOSE) if text.startswith(t, at)), None)
+            if tag is None and text[at] != "\n":
+                break
+            at += len(tag) if tag else 1  # what the reasoning splitter leaves out
+        if text.startswith(piece, at):
+            return at
+        found = text.find(piece, at)  # past what the tool call parser took
+        return found if found >= 0 else None
+
+    def of(self, piece: str) -> dict:
+        """The extension for the chunk carrying PIECE: "drafted", the character spans of PIECE
+        (relative to it) that came from accepted draft tokens, and the running counts so far."""
+        at, o = self.locate(piece), self.outcome
+        spans = []
+        if at is not None:
+            self.at = at + len(piece)
+            spans = o.drafted_within(at, at + len(piece))
+        return {"drafted": spans, "completion_tokens": o.completion_tokens,
+                "draft_tokens": o.stats.drafted, "accepted_tokens": o.stats.accepted}
 
 
 def speculation_overrides(body: dict | None, settings: Settings) -> dict:

@@ -127,6 +127,9 @@ class Server:
                     scored = scored if scored is not None else []
                     scored.extend(p for p in chunk.logprobs if p.token not in eos)
                     outcome.logprobs = outcome.logprobs if outcome.logprobs is not None else []
+                if chunk.drafted_chars:  # where it lands in the whole text
+                    at = len(outcome.text) + len(held)
+                    outcome.add_drafted(at, at + chunk.drafted_chars)
                 held += chunk.text
                 hit = stop_at(held, gen.stop)
                 if hit is not None:

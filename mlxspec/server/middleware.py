@@ -22,6 +22,7 @@ from .common import APIError, error_body, surface_of
 from .contract import UNKNOWN_FIELD, unknown_field_message
 from .json_limits import json_fault
 from .parsing import parser_slot
+from .ui import is_ui_path
 
 log = logging.getLogger("mlxspec.server")
 
@@ -45,7 +46,7 @@ UNSUPPORTED_ROUTES = {
 
 
 # the routes whose bodies are JSON, whatever Content-Type a client sends (as Ollama and
-# llama-server take them: curl -d sends application/x-www-form-urlencoded, the README's and
+# llama-server take them: curl -d sends application/x-www-form-urlencoded, docs/server.md's and
 # Ollama's curl examples send no type at all, and FastAPI would read neither as JSON)
 JSON_ROUTES = ("/v1/", "/api/")
 
@@ -243,8 +244,9 @@ class Gate:
                              "127.0.0.1 or [::1] (the Host header); set an API key to serve other names"), \
                     "permission_error"
             return None
-        if scope.get("path", "") in OPEN_PATHS:
-            return None
+        path = scope.get("path", "")
+        if path in OPEN_PATHS or (self.server.settings.ui and is_ui_path(path)):
+            return None  # the chat page asks for the key itself
         given = headers.get("x-api-key") or ""
         bearer = headers.get("authorization") or ""
         if bearer.lower().startswith("bearer "):

@@ -17,6 +17,7 @@ from ..options import REASONING_MODES, ConstraintSpec
 from . import fim
 from .common import (
     APIError,
+    DraftMarks,
     EventStream,
     Outcome,
     SurfaceRequest,
@@ -275,6 +276,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 
     deltas = await started(deltas)  # errors before the first byte are still plain HTTP errors
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    marks = DraftMarks(outcome) if body.stream_options and body.stream_options.include_speculation else None
 
     def choice(delta: dict, finish=None) -> dict:
         # logprobs of the tokens generated since the last chunk ride on the next one
@@ -282,6 +284,11 @@ async def chat_completions(body: ChatRequest, request: Request):
         if fresh:
             out["logprobs"] = {"content": fresh(), "refusal": None}
         return out
+
+    def text_chunk(head: dict, delta: dict, text: str) -> str:
+        # with include_speculation: which of TEXT's characters came from accepted drafts
+        extra = {"x_mlxspec": marks.of(text)} if marks else {}
+        return _sse({**head, "choices": [choice(delta)], **extra})
 
     async def events():
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -292,7 +299,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         try:
             async for kind, delta in reasoning_pieces(deltas, in_reasoning):
                 if kind == "reasoning":
-                    yield _sse({**head, "choices": [choice({"reasoning_content": delta})]})
+                    yield text_chunk(head, {"reasoning_content": delta}, delta)
                     continue
                 for piece in (parser.feed(delta) if parser else [delta]):
                     if isinstance(piece, ToolCall) and one_call and n_calls:
@@ -301,10 +308,11 @@ async def chat_completions(body: ChatRequest, request: Request):
                         d = {"tool_calls": [_call_json(piece, n_calls)]}
                         n_calls += 1
                     else:
-                        d = {"content": piece}
+                        yield text_chunk(head, {"content": piece}, piece)
+                        continue
                     yield _sse({**head, "choices": [choice(d)]})
             for piece in parser.finish() if parser else []:
-                yield _sse({**head, "choices": [choice({"content": piece})]})
+                yield text_chunk(head, {"content": piece}, piece)
         except APIError as err:
             yield _sse({"error": {"message": err.message, "type": err.kind, "code": err.status}})
             return

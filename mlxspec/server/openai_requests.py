@@ -57,6 +57,9 @@ class StreamOptions(RequestBody):
     IGNORED = {"include_obfuscation": "pads stream chunks against a length side channel of OpenAI's; "
                                       "a local stream has none to hide"}
     include_usage: Optional[bool] = None
+    include_speculation: Optional[bool] = Field(
+        None, description='chat streams: each text chunk carries "x_mlxspec": {"drafted": [[start, end], ...]}, '
+                          "the character spans of its delta that came from accepted draft tokens")
 
 
 class SamplingFields(RequestBody):
