@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from ..errors import MlxspecError, UsageError
 
@@ -59,7 +60,8 @@ class Prompt:
     id: str
     text: str
     max_tokens: int
-    ids: list[int] = field(default_factory=list)  # the text's tokens, once a Bench encoded it
+    ids: list[int] = field(default_factory=list)  # the text's tokens, once a Bench encoded it (or given)
+    meta: dict = field(default_factory=dict)  # what a built prompt was made of, for the JSON (fim: the span)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class Workload:
     name: str
     path: Path
     prompts: list[Prompt]
+    details: dict | None = None  # a built workload's own facts, for the JSON (fim: layout, budget)
+    build: Callable | None = None  # build(spec) -> the Workload, once the model is loaded (fim)
 
 
 # -- workloads --------------------------------------------------------------------------
@@ -214,12 +218,15 @@ class Bench:
 
     def __init__(self, spec, workloads: list[Workload], engines: list[str], options: Options):
         self.spec, self.options = spec, options
-        self.workloads = [replace(w, prompts=[self._encoded(w, p) for p in w.prompts]) for w in workloads]
+        built = [w.build(spec) if w.build else w for w in workloads]
+        self.workloads = [replace(w, prompts=[self._encoded(w, p) for p in w.prompts]) for w in built]
         self.skipped = {e: why for e in engines if (why := self.unavailable(e))}
         self.engines = [e for e in engines if e not in self.skipped]
 
     def _encoded(self, workload: Workload, prompt: Prompt) -> Prompt:
-        """PROMPT with its text's token ids (the text as is, no chat template)."""
+        """PROMPT with its text's token ids (the text as is, no chat template), unless given."""
+        if prompt.ids:
+            return prompt
         ids = self.spec.encode(prompt.text, raw=True)
         if not ids:
             raise WorkloadError(f"{workload.path}: prompt {prompt.id!r} encodes to no tokens")

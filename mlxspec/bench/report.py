@@ -71,18 +71,20 @@ def bench_document(bench, result: dict) -> dict:
     engines = {e: {"status": "ok", "what": ENGINE_HELP[e]} for e in bench.engines}
     engines.update({e: {"status": "skipped", "reason": why, "what": ENGINE_HELP[e]}
                     for e, why in bench.skipped.items()})
-    return {
+    from .fim import with_per_prompt
+
+    return with_per_prompt({
         "schema": SCHEMA, "kind": "bench", "environment": environment(),
         "model": model_info(bench.spec.target), "draft_model": model_info(bench.spec.draft),
         "config": {"reps": o.reps, "draft_depth": o.draft_depth, "depth": o.depth,
                    "temperature": o.temperature, "temp_pass": o.temp_pass, "seed": o.seed,
                    "gates": o.gates, "ttft": TTFT, "ttft_note": TTFT_NOTE},
-        "workloads": {w.name: {"file": str(w.path), "prompts": [
-            {"id": p.id, "prompt_tokens": len(p.ids), "max_tokens": p.max_tokens} for p in w.prompts]}
+        "workloads": {w.name: {"file": str(w.path), **(w.details or {}), "prompts": [
+            {"id": p.id, "prompt_tokens": len(p.ids), "max_tokens": p.max_tokens, **p.meta} for p in w.prompts]}
             for w in bench.workloads},
         "engines": engines,
         **result,
-    }
+    })
 
 
 def sweep_document(sweep: dict) -> dict:
@@ -256,8 +258,13 @@ def render(doc: dict, console) -> None:
         for shape in dict.fromkeys(c["shape"] for c in doc["cells"]):
             console.print(real_shapes_table(doc, shape))
         return
+    from .fim import FIM, prompt_table
+
+    built = [name for name, w in doc.get("workloads", {}).items() if w.get("kind") == FIM]
     for p in doc["passes"]:
         console.print(pass_table(doc, p))
+        for name in built:  # the fim workload: a row per span too
+            console.print(prompt_table(doc, p, name))
 
 
 # -- chart ------------------------------------------------------------------------------

@@ -43,27 +43,26 @@ Engines: mlx-lm (mlx_lm.stream_generate, plain decoding: the baseline, always ru
 linear-attention layers), and mlxspec-none, -pld, -draft (needs --draft-model), -mtp (needs an
 MTP head in MODEL) and -auto. An engine that cannot run with these models is skipped, with why.
 
-A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line (the
-built-in sets, echo, completion, novel, toolcall, are cut from held-out source files); prompts
-are raw text (no chat template), tokenized once and given as the same token ids to every engine.
-After one warm-up run of each engine, the engines run interleaved: for each repetition, each
-prompt, each engine. Reported per workload and engine, median over the repetitions: decode
-tok/s (tokens after the first / time from the first to the last token), speedup over mlx-lm,
-acceptance and tokens per verify (mlx-lm-draft: from its from_draft flags; its acceptance is not
-observable), the share of tokens from drafts, time to first token (cold for every engine: the
-whole prompt prefilled, mlxspec's prefix cache not used), peak memory (MLX's, all loaded weights
-included) and whether the tokens are identical to mlx-lm's at temperature 0. A second pass at
---temp (seeded per prompt, the same seed for every engine) measures the speculative engines
-under sampling. Progress (engine, repetition, tokens so far) goes to stderr, tables to stdout.
+A workload is WORKLOADS_DIR/NAME.jsonl, one {"id", "prompt", "max_tokens"} object per line (the built-in sets, echo,
+completion, novel, toolcall, are cut from held-out source files); prompts are raw text (no chat template), tokenized
+once and given as the same token ids to every engine. --workloads fim (never a default): fill-in-the-middle on
+--prompts spans (default 8) of 3-12 lines of mlxspec's own source (seeded), in the model's FIM layout as /infill builds
+it (prefix + suffix: 1500 tokens at most), max_tokens the span's; also a table per span. After one warm-up run of each
+engine, the engines run interleaved: for each repetition, each prompt, each engine. Reported per workload and engine,
+median over the repetitions: decode tok/s (tokens after the first / time from the first to the last token), speedup
+over mlx-lm, acceptance and tokens per verify (mlx-lm-draft: from its from_draft flags; its acceptance is not
+observable), the share of tokens from drafts, time to first token (cold for every engine: the whole prompt prefilled,
+mlxspec's prefix cache not used), peak memory (MLX's, all loaded weights included) and whether the tokens are identical
+to mlx-lm's at temperature 0. A second pass at --temp (seeded per prompt, the same seed for every engine) measures the
+speculative engines under sampling. Progress (engine, repetition, tokens so far) goes to stderr, tables to stdout.
 
---chat: a conversation of token ids (no tokenizer, no template) on MODEL, or on random-weight
-models of --chat-shapes: user blocks of pseudo-random ids (fixed seed) and the model's own
-greedy answers of --max-tokens tokens (default 64 here); turn 1's block is sized so that the
-last turn's prompt is --chat-context tokens. Each turn runs three ways, after an untimed
-warm-up: the engine (--drafter) with no prefix cache, the engine with the conversation's prefix
-cache (fed by the earlier turns, as a server's is), and mlx-lm's generate_step. Reported per
-turn, median over --reps conversations (each with a fresh cache): prompt and cached tokens,
-time to first token of each, the speedup of reuse, and whether the tokens are identical.
+--chat: a conversation of token ids (no tokenizer, no template) on MODEL, or on random-weight models of --chat-shapes:
+user blocks of pseudo-random ids (fixed seed) and the model's own greedy answers of --max-tokens tokens (default 64
+here); turn 1's block is sized so that the last turn's prompt is --chat-context tokens. Each turn runs three ways,
+after an untimed warm-up: the engine (--drafter) with no prefix cache, the engine with the conversation's prefix cache
+(fed by the earlier turns, as a server's is), and mlx-lm's generate_step. Reported per turn, median over --reps
+conversations (each with a fresh cache): prompt and cached tokens, time to first token of each, the speedup of reuse,
+and whether the tokens are identical.
 
 --real-shapes: the engines on random-weight models of real shapes (quantized to --bits), whose
 target logits are replaced after each real forward by a scripted continuation, so the output
@@ -135,7 +134,7 @@ WorkloadsDirOption = Annotated[Optional[str], typer.Option("--workloads-dir", me
                               help="Folder of NAME.jsonl prompt sets. \\[default: the built-in sets]")]
 WorkloadsOption = Annotated[Optional[str], typer.Option(
     "--workloads", metavar="NAMES", show_default=False,
-    help="Comma-separated workload names, e.g. echo,completion (default: every .jsonl in DIR).")]
+    help="Comma-separated workload names, e.g. echo,fim (default: every .jsonl in DIR; fim: see above).")]
 PromptsOption = Annotated[Optional[int], typer.Option(
     "--prompts", metavar="N", show_default=False,
     help="Use only the first N prompts of each workload (default: all).")]
@@ -386,11 +385,12 @@ def _run_sweep(names: str, *, bits, kernels_off, tokens, context, reps, outputs)
 def _run_engines(model, draft_model, dtype, *, workloads_dir, workloads, prompts, max_tokens, engines, draft_depth,
                  depth, reps, temperature, temp_pass, seed, gates, outputs) -> None:
     """``bench`` itself: mlx-lm and mlxspec's engines on MODEL over the prompt sets."""
-    from ..bench.prompts import Bench, Options, load_workloads, parse_engines, parse_list
+    from ..bench.fim import load_sets
+    from ..bench.prompts import Bench, Options, parse_engines, parse_list
     from ..bench.report import bench_document, write_json
 
     chosen = parse_engines(engines)
-    sets = load_workloads(workloads_dir or builtin_workloads(), parse_list(workloads, "workloads"), prompts, max_tokens)
+    sets = load_sets(workloads_dir or builtin_workloads(), parse_list(workloads, "workloads"), prompts, max_tokens)
     if model is None:
         _check(DEFAULT_MODEL.is_dir(), f"give MODEL (a model folder or cached repo id): "
                                        f"there is no {DEFAULT_MODEL} in this folder")
