@@ -14,7 +14,7 @@ have rejections): verification, partial accepts, the caches' rollback, DFlash's 
 a case's later surfaces, its own prefix-cache entries all run behind the servers.
 
 The targets are the committed trained mini models (benchmarks/models/, cast to float32 on
-disk: bf16 ties may break identity, see README), whose drafters really agree with them, and a
+disk: bf16 ties may break identity, see docs/benchmarks.md), whose drafters really agree with them, and a
 tiny random GLM-4.5 whose NextN layer drafts the token it was given (its target repeats
 letters). One server per target serves all of its drafters. The verify and draft costs come
 from a stored tune record written here, not from timing this machine: on a busy machine
