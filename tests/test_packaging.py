@@ -246,5 +246,6 @@ def test_the_wheel_holds_the_product_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "mlxspec/engine/speculate.py" in names and "mlxspec/assets/demo/model.safetensors" in names
     assert "mlxspec/bench/workloads/echo.jsonl" in names  # `mlxspec bench` without a checkout
+    assert {f"mlxspec/server/static/{f}" for f in ("index.html", "chat.js", "chat.css")} <= set(names)  # the chat page
     assert not [n for n in names if n.startswith("tests/") or n.split("/")[-1] in ("tiny.py", "tiny_mtp.py",
                                                                                   "conftest.py", "gdn_grad.py")]
