@@ -141,3 +141,13 @@ def smollm2(smollm2_folder):
     from mlxspec.api import load
 
     return load(str(smollm2_folder))
+
+
+@pytest.fixture(scope="module")
+def isolated(tmp_path_factory):
+    """(bench tests) No stored `mlxspec tune` results or user config from this machine."""
+    root = tmp_path_factory.mktemp("xdg")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_DATA_HOME", str(root / "data"))
+        mp.setenv("XDG_CONFIG_HOME", str(root / "config"))
+        yield

@@ -37,16 +37,6 @@ def workloads_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def isolated(tmp_path_factory):
-    """No stored `mlxspec tune` results or user config from this machine."""
-    root = tmp_path_factory.mktemp("xdg")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_DATA_HOME", str(root / "data"))
-        mp.setenv("XDG_CONFIG_HOME", str(root / "config"))
-        yield
-
-
-@pytest.fixture(scope="module")
 def dense_run(isolated, tiny_qwen3, tiny_qwen3_draft, workloads_dir, tmp_path_factory):
     """All engines on the dense target with a draft model, through the CLI, 2 repetitions."""
     out = tmp_path_factory.mktemp("bench") / "results.json"

@@ -7,7 +7,6 @@ FIM tokens is a one-line error."""
 from __future__ import annotations
 
 import json
-import shutil
 from importlib import resources
 from pathlib import Path
 
@@ -36,32 +35,9 @@ from test_fim import QWEN
 
 
 @pytest.fixture(scope="module")
-def isolated(tmp_path_factory):
-    """No stored `mlxspec tune` results or user config from this machine."""
-    root = tmp_path_factory.mktemp("xdg")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_DATA_HOME", str(root / "data"))
-        mp.setenv("XDG_CONFIG_HOME", str(root / "config"))
-        yield
-
-
-@pytest.fixture(scope="module")
 def fim_checkpoint(shared_tokenizer, tmp_path_factory):
     """tiny_qwen3's shape with the shared tokenizer plus Qwen's FIM tokens (test_fim's checkpoint)."""
-    from tokenizers import Tokenizer
-
-    folder = tmp_path_factory.mktemp("fim_tokenizer")
-    for name in tiny.TOKENIZER_FILES:
-        shutil.copy(shared_tokenizer / name, folder / name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(QWEN)
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    for t in QWEN:
-        config["added_tokens_decoder"][str(tok.token_to_id(t))] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-            "special": True}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    folder = tiny.with_special_tokens(shared_tokenizer, tmp_path_factory.mktemp("fim_tokenizer"), QWEN)
     return tiny.write_checkpoint(tmp_path_factory.mktemp("tiny_fim"), "qwen3", tokenizer=folder, seed=1)
 
 

@@ -8,7 +8,6 @@ an unknown /infill field are 400s."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import pytest
@@ -130,20 +129,7 @@ def test_prompt_lookup_drafts_from_the_suffix_and_the_other_files(shared_tokeniz
 def fim_checkpoint(shared_tokenizer, tmp_path_factory):
     """tiny_qwen3's shape with the shared tokenizer plus Qwen's FIM tokens (in tokenizer.json's
     added tokens and tokenizer_config's added_tokens_decoder, as Qwen's files have them)."""
-    from tokenizers import Tokenizer
-
-    folder = tmp_path_factory.mktemp("fim_tokenizer")
-    for name in tiny.TOKENIZER_FILES:
-        shutil.copy(shared_tokenizer / name, folder / name)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tok.add_special_tokens(QWEN)
-    tok.save(str(folder / "tokenizer.json"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    for t in QWEN:
-        config["added_tokens_decoder"][str(tok.token_to_id(t))] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-            "special": True}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    folder = tiny.with_special_tokens(shared_tokenizer, tmp_path_factory.mktemp("fim_tokenizer"), QWEN)
     return tiny.write_checkpoint(tmp_path_factory.mktemp("tiny_fim"), "qwen3", tokenizer=folder, seed=1)
 
 

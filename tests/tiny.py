@@ -466,3 +466,26 @@ def write_checkpoint(out_dir, arch: str, *, vocab_size: int | None = None, seed:
 
 
 # ---------------------------------------------------------------------------
+
+
+def with_special_tokens(shared_tokenizer, folder, tokens) -> Path:
+    """FOLDER: the shared tokenizer's files plus TOKENS as special added tokens (in
+    tokenizer.json's added tokens and tokenizer_config's added_tokens_decoder, as Qwen's files
+    have its FIM tokens)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(shared_tokenizer) / name, folder / name)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens(list(tokens))
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    for t in tokens:
+        config["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": True}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
