@@ -198,7 +198,9 @@ def test_metrics_match_the_responses(traffic):
     assert seen["drafters"]["pld"]["accepted"] > 0, "the repetitive prompt should have pld accept drafts"
     assert one(parsed, SPEC + "num_drafts_total", drafter="pld") > 0
     assert one(parsed, "mlxspec_plain_steps_total") > 0  # the request without speculation at least
-    assert seen["queued"]["used"] > 0 and seen["queued"]["dropped"] > 0
+    # queued verifies ran (whether one was dropped hangs on the tiny model's near-ties: seen 0
+    # once in a full-suite run, 6 used; the dropped counter is checked on its own below)
+    assert seen["queued"]["used"] > 0
     assert "drafter=\"none\"" not in text  # no speculation counters for a request that drafted nothing
     assert len(stats) == 6
 
