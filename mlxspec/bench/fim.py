@@ -185,10 +185,7 @@ def trim(tokenizer, prefix: str, suffix: str, budget: int = BUDGET_TOKENS) -> tu
 def layout_of(spec) -> fim.FimLayout:
     """SPEC's FIM layout; a UsageError (one line) where its vocabulary has no FIM tokens, or has
     them only past the model's embedding (as the server's /infill refuses them)."""
-    found = fim.detect(spec.tokenizer)
-    vocab = getattr(spec.target, "vocab_size", None)
-    if found is not None and isinstance(vocab, int) and max(found.markers + [found.bos or 0]) >= vocab:
-        found = None
+    found = fim.model_layout(spec.tokenizer, getattr(spec.target, "vocab_size", None))
     if found is None:
         raise UsageError(f"--workloads fim: {fim.NO_FIM_MESSAGE} ({spec.name}); give a code model with FIM "
                          "tokens (Qwen2.5/3-Coder, StarCoder2, Code Llama, DeepSeek-Coder)")

@@ -113,6 +113,15 @@ def detect(tokenizer) -> FimLayout | None:
     return None
 
 
+def model_layout(tokenizer, vocab_size) -> FimLayout | None:
+    """detect's layout where the model can read it: None where its tokens lie past the model's
+    embedding (VOCAB_SIZE; None: not known), tokens the tokenizer adds that are not the model's."""
+    found = detect(tokenizer)
+    if found is not None and isinstance(vocab_size, int) and max(found.markers + [found.bos or 0]) >= vocab_size:
+        return None
+    return found
+
+
 def require(tokenizer) -> FimLayout:
     """detect's layout; NoFimTokens where there is none."""
     layout = detect(tokenizer)

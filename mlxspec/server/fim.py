@@ -36,11 +36,8 @@ def layout(server, param: str) -> fim.FimLayout:
     """The served model's FIM layout (read once); a 400 naming PARAM where it has none."""
     found = getattr(server, "fim_layout", False)
     if found is False:
-        found = fim.detect(server.spec.tokenizer)
         vocab = getattr(getattr(server.spec, "target", None), "vocab_size", None)
-        if found is not None and isinstance(vocab, int) and max(found.markers + [found.bos or 0]) >= vocab:
-            found = None  # tokens the tokenizer adds past the model's embedding: not the model's
-        server.fim_layout = found
+        found = server.fim_layout = fim.model_layout(server.spec.tokenizer, vocab)
     if found is None:
         raise APIError(400, f"{param}: {fim.NO_FIM_MESSAGE}", param=param)
     return found
