@@ -222,9 +222,9 @@ class SpeculationGate:
 
     def would_draft(self) -> bool:
         """Cheap guess of whether the next ``depth()`` will be non-zero (for pipelining)."""
-        if (self.on and not self.trial) or not self.gating:
+        if self.on or not self.gating:  # on trial too: it is on until the trial fails
             return True
-        return self.trial or self.best_depth()[1] > self.ON_ABOVE or self._probe_due()
+        return self.best_depth()[1] > self.ON_ABOVE or self._probe_due()
 
     def tick_plain(self) -> None:
         """One token was decoded plainly."""
