@@ -353,9 +353,11 @@ class SpecModel:
             # updated in place: its count is read now); their text leads the chunk's
             drafts = min(stats.accepted - accepted, len(tokens))
             accepted = stats.accepted
-            start, drafted_end = len(detok.text), None
+            # offset: the text's length at the last segment read; the text itself is built (a
+            # decode and a copy on the host) only where a step kept drafts and its own token
+            start, drafted_end = detok.offset, None
             for i, t in enumerate(tokens):
-                if i == drafts:
+                if i == drafts and drafts:
                     drafted_end = len(detok.text)
                 if t in self.tokenizer.eos_token_ids:
                     continue
