@@ -6,6 +6,7 @@ request to /v1 (``/ui/info`` says whether one is needed)."""
 
 from __future__ import annotations
 
+from functools import cache
 from importlib import resources
 
 from fastapi import APIRouter, Request
@@ -29,8 +30,9 @@ def is_ui_path(path: str) -> bool:
     return path == "/" or path.startswith(UI_PREFIX)
 
 
+@cache
 def static_files() -> dict[str, bytes]:
-    """The page's files by name: only these are served."""
+    """The page's files by name: only these are served (read once: they ship in the package)."""
     folder = resources.files(__package__).joinpath("static")
     return {f.name: f.read_bytes() for f in folder.iterdir()
             if f.is_file() and any(f.name.endswith(ext) for ext in TYPES)}
