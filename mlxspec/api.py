@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
+from .engine.batch import BatchedDecoder, RowPlan
+from .engine.batch_cache import batch_refusal
 from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
@@ -31,6 +33,7 @@ from .options import (  # noqa: F401
 # the request and result types are the API's: importable from here as before
 from .request import Chunk, GenerationRequest, Result  # noqa: F401
 
+BATCH_DRAFTERS = ("pld", "none")  # drafters whose rows share a batched forward (engine/batch.py)
 DRAFTER_PARTS = {"draft": "draft model", "mtp": "MTP head", "assistant": "Gemma-4 assistant"}
 
 
@@ -49,6 +52,7 @@ class SpecModel:
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._fixed: bool | None = None  # see _fixed_state
         self._grammar_tokenizer = None  # llguidance's view of the vocabulary, built on first use
+        self._batch_refusal: tuple[str] | None = None  # why the target cannot batch ("": it can)
 
     def verify_cost(self, on_status: Callable[[str], None] | None = None):
         """Measured cost of verifying 1..16 tokens with this model: the curve stored for this
@@ -235,19 +239,8 @@ class SpecModel:
         REQUEST says how to generate; keyword OPTIONS are its fields (see
         :class:`GenerationRequest`), over REQUEST's when both are given. With ``reuse`` the
         longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
-        if request is None:
-            request = GenerationRequest(**options)
-        elif options:
-            request = replace(request, **options)
-        r = request
-        prompt_ids = self.encode(prompt, system=r.system, raw=r.raw, tools=r.tools, template_kwargs=r.template_kwargs)
-        if not prompt_ids:
-            raise UsageError("the prompt is empty")
-        max_tokens = self.check_context(len(prompt_ids), r.max_tokens)
-        checkpoints = r.checkpoints
-        if checkpoints is None and r.reuse:
-            checkpoints = self.reuse_points(prompt, prompt_ids, system=r.system, raw=r.raw, tools=r.tools,
-                                            template_kwargs=r.template_kwargs)
+        r = _request(request, options)
+        prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         constraint = self.constraint(r.constraint) if r.constraint is not None else None
         penalties = r.penalties
         try:
@@ -270,6 +263,61 @@ class SpecModel:
             on_logprobs=logprobs.extend if logprobs is not None else None,
             penalties=penalties,
         ), logprobs)
+
+    def _prepare(self, prompt, r: GenerationRequest) -> tuple[list[int], int, Sequence[int] | None]:
+        """PROMPT's token ids, the max_tokens its context leaves, the prefix cache's checkpoints."""
+        prompt_ids = self.encode(prompt, system=r.system, raw=r.raw, tools=r.tools, template_kwargs=r.template_kwargs)
+        if not prompt_ids:
+            raise UsageError("the prompt is empty")
+        max_tokens = self.check_context(len(prompt_ids), r.max_tokens)
+        checkpoints = r.checkpoints
+        if checkpoints is None and r.reuse:
+            checkpoints = self.reuse_points(prompt, prompt_ids, system=r.system, raw=r.raw, tools=r.tools,
+                                            template_kwargs=r.template_kwargs)
+        return prompt_ids, max_tokens, checkpoints
+
+    # -- batching -------------------------------------------------------------------
+    def batch(self, max_rows: int) -> BatchedDecoder:
+        """An engine that decodes up to MAX_ROWS requests together (:meth:`stream_in`)."""
+        return BatchedDecoder(self.target.model, max_rows)
+
+    def batch_plan(self, request: GenerationRequest) -> tuple[RowPlan | None, str | None]:
+        """How REQUEST decodes as a row of a batch, or (None, why not): it is served alone."""
+        if self._batch_refusal is None:
+            self._batch_refusal = (batch_refusal(self.target.model) or "",)
+        if self._batch_refusal[0]:
+            return None, f"{self.name} cannot batch: {self._batch_refusal[0]}"
+        r = request
+        if r.constraint is not None or r.logprobs is not None or r.penalties.active:
+            return None, "constrained output, logprobs and penalties are served alone"
+        dec = self._decoder(r)
+        name = dec.drafter.name if dec.drafter is not None else "none"
+        if name not in BATCH_DRAFTERS or dec.tree != 0:
+            return None, f"drafter {name}{' with trees' if dec.tree != 0 else ''} is served alone"
+        return RowPlan(dec.drafter, dec.max_depth, dec.depth, dec.gates, dec.cost), None
+
+    def stream_in(self, batch: BatchedDecoder, prompt, request: GenerationRequest | None = None,
+                  **options) -> Iterator[Chunk]:
+        """:meth:`stream`, decoded as a row of BATCH together with its other rows (the same
+        tokens as alone, at any temperature). The row is added now (it prefills over the
+        batch's next steps); UsageError when :meth:`batch_plan` refuses it."""
+        r = _request(request, options)
+        plan, why = self.batch_plan(r)
+        if plan is None:
+            raise UsageError(why)
+        prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
+        row = batch.add(prompt_ids, sampling=r.sampling, max_tokens=max_tokens,
+                        stop_tokens=set(self.tokenizer.eos_token_ids), plan=plan, seed=r.seed,
+                        prefix_cache=self.prompt_cache if r.reuse else None, checkpoints=checkpoints or ())
+        return self._row_chunks(batch, row)
+
+    def _row_chunks(self, batch: BatchedDecoder, row) -> Iterator[Chunk]:
+        updates = row.updates()
+        try:
+            yield from self._text_chunks(updates)
+        finally:
+            updates.close()
+            batch.remove(row)
 
     def _decoder(self, request: GenerationRequest) -> SpeculativeDecoder:
         """The engine for REQUEST's drafter and depth, with this machine's measured costs."""
@@ -400,6 +448,12 @@ class SpecModel:
                 logprobs.extend(chunk.logprobs)
         return Result(text="".join(parts), tokens=tokens, stats=stats, finish_reason=stats.finish_reason,
                       logprobs=logprobs)
+
+
+def _request(request: GenerationRequest | None, options: dict) -> GenerationRequest:
+    if request is None:
+        return GenerationRequest(**options)
+    return replace(request, **options) if options else request
 
 
 def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> SpecModel:

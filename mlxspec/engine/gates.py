@@ -241,6 +241,14 @@ class SpeculationGate:
             self._probe_every = 16
 
 
+def stays_plain(drafter: Drafter | None, gate: SpeculationGate | None, tokens: list[int]) -> bool:
+    """Guess, before the in-flight token is known, whether the next step will be plain too
+    (then it is queued behind this one, and decided plain without asking the gate)."""
+    if drafter is None or not gate.would_draft():
+        return True
+    return not drafter.uses_model and not drafter.lookup(tokens, 1)
+
+
 class ShadowDrafts:
     """While speculation is off, check what the drafter would have proposed against the plain
     tokens: prompt lookup's proposals for free at every step, a model drafter's when offered."""

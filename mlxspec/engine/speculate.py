@@ -8,7 +8,6 @@ nothing over ``mlx_lm.stream_generate``.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
@@ -23,7 +22,8 @@ from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
 from .drafters.base import GREEDY, Draft, Drafter
 from .drafters.pld import repetition_score
 from .drafters.registry import make_drafter
-from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate
+from .emit import Output
+from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate, stays_plain
 from .logprobs import TokenLogprob, token_logprobs
 from .penalties import Penalties
 from .prefix_cache import PrefixCache
@@ -126,10 +126,7 @@ class _Run:
     def __init__(self, dec: SpeculativeDecoder, prompt, sampling, max_tokens, stop_tokens, *,
                  prefix_cache: PrefixCache | None = None, checkpoints: Sequence[int] = (),
                  prefill_step: int = 2048, on_prefill: Callable[[int, int], None] | None = None):
-        self.t0 = time.perf_counter()
         self.sampling = sampling
-        self.max_tokens = max_tokens
-        self.stop_tokens = stop_tokens
         self.tokens = prompt  # committed; the last one is not fed to the target yet
         self.drafter = dec.drafter
         self.hidden_to_drafter = self.drafter is not None and self.drafter.needs_hidden
@@ -138,6 +135,7 @@ class _Run:
         if self.drafter is not None:
             self.drafter.bind_target(self.target)
         self.stats = Stats(prompt_tokens=len(prompt))
+        self.output = Output(self.stats, max_tokens, stop_tokens)
         self.gate = self.shadow = None
         if self.drafter is not None:
             try:
@@ -160,9 +158,6 @@ class _Run:
         # Pipelining: host drafters can guess the next verify before this one is read
         self.ahead = AheadGate() if self.drafter is not None and not self.drafter.uses_model else None
         self.guess: Guess | None = None
-        self.emitted = 0
-        self.done = False
-        self.t_first = self.t0
         self.prefix_cache = prefix_cache
         self.checkpoints = checkpoints
         self.prefill_step = prefill_step
@@ -172,30 +167,6 @@ class _Run:
         self.on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
         self.step_logprobs: list[TokenLogprob] = []
         self.penalties: Penalties | None = None  # None: none active
-
-    # -- output -----------------------------------------------------------------
-    def _emit(self, new: list[int]) -> list[int]:
-        out = []
-        for t in new:
-            out.append(t)
-            self.emitted += 1
-            if t in self.stop_tokens:
-                self.stats.finish_reason = "stop"
-                break
-            if self.emitted >= self.max_tokens:
-                self.stats.finish_reason = "length"
-                break
-        self.done = self.stats.finish_reason is not None
-        now = time.perf_counter()
-        st = self.stats
-        if st.generated_tokens == 0 and out:
-            st.ttft_s = st.prompt_time_s = now - self.t0
-            self.t_first = now
-        st.generated_tokens += len(out)
-        st.decode_time_s = now - self.t_first
-        if st.generated_tokens // 256 != (st.generated_tokens - len(out)) // 256:
-            mx.clear_cache()
-        return out
 
     def _sync_gate(self) -> None:
         for on, reason in self.gate.events:
@@ -211,8 +182,8 @@ class _Run:
             self._sync_gate()
         pending = None  # a plain step in flight: tokens[-1] was fed, its successor is sampled
         try:
-            while not self.done:
-                remaining = self.max_tokens - self.emitted
+            while not self.output.done:
+                remaining = self.output.remaining
                 draft = new = None
                 if pending is None and remaining > 1 and self.drafter is not None:
                     k = min(self.gate.depth(), remaining - 1)
@@ -227,7 +198,7 @@ class _Run:
                 elif new is None:
                     self._settle_guess(None)
                     new, pending = self._plain_step(pending, remaining)
-                out = self._emit(new)
+                out = self.output.take(new)
                 if self.on_logprobs is not None:
                     self.on_logprobs(self.step_logprobs[: len(out)])
                 yield out, self.stats
@@ -283,12 +254,6 @@ class _Run:
         """Hand the drafter the hidden states of newly committed positions (MTP heads)."""
         if self.hidden_to_drafter:
             self.drafter.add_hidden(rows)
-
-    def _stay_plain(self) -> bool:
-        """Guess, before the in-flight token is known, whether the next step will be plain too."""
-        if self.drafter is None or not self.gate.would_draft():
-            return True
-        return not self.drafter.uses_model and not self.drafter.lookup(self.tokens, 1)
 
     @property
     def _reads_rows(self) -> bool:
@@ -346,7 +311,7 @@ class _Run:
             self._pass_hidden(self.target.hidden)
             mx.async_eval(pending)
         nxt = None
-        if remaining > 1 and self._stay_plain():
+        if remaining > 1 and stays_plain(self.drafter, self.gate, self.tokens):
             nxt = sample(self.target.forward(pending.astype(mx.uint32), rollback=False)[-1:])
             self._pass_hidden(self.target.hidden)
             mx.async_eval(nxt)
@@ -416,7 +381,7 @@ class _Run:
         target's next token and of what it will then propose, at the same depth."""
         if self.ahead is None or draft.host is None:
             return None
-        k_next = min(k, self.max_tokens - self.emitted - (k + 1) - 1)
+        k_next = min(k, self.output.remaining - (k + 1) - 1)
         if k_next < 1:
             return None
         found = self.drafter.peek(self.tokens, draft.host, k_next + 1)

@@ -1,0 +1,279 @@
+"""Several requests decoded together: one target forward a step for every row, each row
+speculating, sampling, stopping and rolling back on its own.
+
+Terms:
+- row: one request in the batch, with its own committed tokens (prompt + output; the last
+  one sampled, not yet fed), its own drafter instance, gate, random stream and stats;
+- joining: a row still prefilling its prompt, alone (B = 1), one chunk of at most
+  ``prefill_step`` tokens per :meth:`BatchedDecoder.step`, so a long prompt never stalls the
+  running rows for more than a chunk; once prefilled it joins the ragged cache;
+- width W: 1 + the deepest draft of the step. Row i feeds ``[last_i, draft_i..., pad...]``
+  (W tokens) and keeps ``1 + accepted_i`` of them; ``batch_cache.RaggedCache`` rolls each row
+  back by its own junk count.
+
+Each row runs exactly what the single-request loop runs for it (speculate.py): the same
+gate decisions, the same draws from its own random stream in the same order (``sample`` for
+a plain step, ``accept`` for a verify, on the row's own rows of the logits), so a row's
+tokens are those of its request served alone, at any temperature, whatever its neighbours
+do. Drafters: prompt lookup, or none (a model drafter keeps per-request model state; such
+requests are served alone, see ``SpecModel.batch_refusal``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+
+from ..errors import UsageError
+from .batch_cache import RaggedCache
+from .cache import ModelState
+from .drafters.base import Drafter
+from .drafters.pld import repetition_score
+from .emit import Output
+from .gates import CostModel, ShadowDrafts, SpeculationGate, stays_plain
+from .prefix_cache import PrefixCache
+from .sampling import SamplingParams, accept
+from .stats import Stats
+
+PAD = 0  # fed after a row's drafts up to the step's width; its positions are rolled back
+
+
+@dataclass
+class RowPlan:
+    """How one request decodes: what ``SpeculativeDecoder`` would run for it."""
+
+    drafter: Drafter | None
+    max_depth: int
+    depth: int | None = None  # a fixed depth
+    gates: bool = True
+    cost: CostModel | None = None
+
+
+class Row:
+    """One request in the batch; iterate :meth:`updates` for its (new tokens, stats)."""
+
+    def __init__(self, engine: BatchedDecoder, prompt: list[int], sampling: SamplingParams,
+                 output: Output, plan: RowPlan, prefix_cache: PrefixCache | None, checkpoints: Sequence[int]):
+        self.engine = engine
+        self.tokens = prompt
+        self.sampling = sampling
+        self.output = output
+        self.stats = output.stats
+        self.drafter = plan.drafter
+        self.prefix_cache = prefix_cache
+        self.checkpoints = checkpoints
+        self.gate = self.shadow = None
+        if self.drafter is not None:
+            self.gate = SpeculationGate(self.drafter, plan.max_depth, plan.cost, fixed_depth=plan.depth,
+                                        enabled=plan.gates)
+            self.stats.drafter = self.drafter.name
+            self.stats.depth = self.gate.max_depth
+            self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
+            self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
+        self.out: deque[list[int]] = deque()
+        # the single-request loop queues a plain step behind a plain one it guesses stays
+        # plain, deciding it without the gate: the row decides the same way
+        self.queued_plain = False
+        self.error: BaseException | None = None
+        self.prefill: Iterator[None] | None = None  # while joining: one chunk a next()
+        self.state: ModelState | None = None  # its own cache while joining
+
+    @property
+    def finished(self) -> bool:
+        return self.output.done or self.error is not None
+
+    def updates(self) -> Iterator[tuple[list[int], Stats]]:
+        """(new tokens, stats) as committed; steps the whole batch whenever this row has none
+        waiting. Closing it takes the row out of the batch."""
+        try:
+            while True:
+                while not self.out and not self.finished:
+                    self.engine.step()
+                if self.out:
+                    yield self.out.popleft(), self.stats
+                elif self.error is not None:
+                    raise self.error
+                else:
+                    return
+        finally:
+            self.engine.remove(self)
+
+    # -- one step's share ----------------------------------------------------------------
+    def plan_draft(self) -> tuple[list[int], mx.array | None]:
+        """The drafts this row verifies this step ([] for a plain step) and the device copy."""
+        remaining = self.output.remaining
+        if self.drafter is None or remaining <= 1 or self.queued_plain:
+            return [], None
+        k = min(self.gate.depth(), remaining - 1)
+        self._sync_gate()
+        if k <= 0:
+            return [], None
+        draft = self.drafter.propose(self.tokens, k, self.sampling)
+        if draft is None or not len(draft):
+            return [], None
+        return draft.host_tokens(), draft
+
+    def _sync_gate(self) -> None:
+        for on, reason in self.gate.events:
+            self.stats.record_gate(on, reason)
+        self.gate.events.clear()
+
+    def commit(self, new: list[int], drafted: int, accepted: int) -> None:
+        """NEW tokens follow (ACCEPTED of DRAFTED drafts, then the target's own)."""
+        self.queued_plain = not drafted and self.output.remaining > 1 and stays_plain(
+            self.drafter, self.gate, self.tokens)
+        self.tokens.extend(new)
+        if drafted:
+            self.stats.record_verify(drafted, accepted)
+            self.gate.observe(drafted, accepted)
+            self.drafter.rollback(len(self.tokens) - 1)
+            self.shadow.reset()
+        else:
+            self.stats.plain_steps += 1
+            if self.gate is not None:
+                self.gate.tick_plain()
+                if self.gate.shadowing:
+                    settled = self.shadow.update(self.tokens)
+                    if settled:
+                        self.gate.observe(*settled)
+        out = self.output.take(new)
+        if out:
+            self.out.append(out)
+
+
+class BatchedDecoder:
+    """Rows join (:meth:`add`) and leave between steps; :meth:`step` advances them all."""
+
+    def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512):
+        if max_rows < 1:
+            raise UsageError(f"a batch needs at least one row (got {max_rows})")
+        self.model = model
+        self.max_rows = max_rows
+        self.prefill_step = prefill_step
+        self.cache = RaggedCache()
+        self.rows: list[Row] = []  # in the cache's row order
+        self.joining: deque[Row] = deque()
+        self.steps = 0  # batched forwards run
+        self.row_steps = 0  # rows those forwards served, summed
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.joining)
+
+    @property
+    def full(self) -> bool:
+        return len(self) >= self.max_rows
+
+    def add(self, prompt: list[int], *, sampling: SamplingParams, max_tokens: int, stop_tokens: set[int],
+            plan: RowPlan, seed: int | None = None, prefix_cache: PrefixCache | None = None,
+            checkpoints: Sequence[int] = ()) -> Row:
+        """A new request: it prefills over the next steps, then decodes with the others."""
+        if not prompt:
+            raise UsageError("the prompt is empty")
+        if self.full:
+            raise UsageError(f"the batch is full ({self.max_rows} rows)")
+        output = Output(Stats(prompt_tokens=len(prompt)), max_tokens, set(stop_tokens))
+        row = Row(self, list(prompt), sampling.for_request(seed), output, plan, prefix_cache, checkpoints)
+        row.prefill = self._prefill(row)
+        self.joining.append(row)
+        return row
+
+    def remove(self, row: Row) -> None:
+        """ROW leaves (finished, failed or cancelled); its cache is kept in its prefix cache."""
+        if row in self.joining:
+            self.joining.remove(row)
+            return
+        if row in self.rows:
+            self._leave(row)
+
+    def _leave(self, row: Row) -> None:
+        i = self.rows.index(row)
+        if row.prefix_cache is not None and row.error is None:
+            snap = self.cache.snapshot(i)
+            if snap is not None:
+                row.prefix_cache.store(row.tokens[: snap.length], snap)
+        self.rows.pop(i)
+        self.cache.keep([j for j in range(len(self.rows) + 1) if j != i])
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> None:
+        """One prefill chunk of the first joining row, then one decode step of the rows in."""
+        with mx.stream(generation_stream):
+            if self.joining:
+                row = self.joining[0]
+                try:
+                    if next(row.prefill, StopIteration) is StopIteration:
+                        self.joining.popleft()
+                        self._join(row)
+                except Exception as err:  # this row's prompt failed: the others go on
+                    self.joining.remove(row)
+                    row.error = err
+            if self.rows:
+                try:
+                    self._decode()
+                except Exception as err:  # one forward for all: every row in it ends with it
+                    for r in list(self.rows):
+                        r.error = err
+                        self._leave(r)
+
+    def _prefill(self, row: Row) -> Iterator[None]:
+        """Restore the longest cached prefix, feed the rest (but the last token) a chunk per
+        next(), storing at the row's checkpoints."""
+        prompt, end = row.tokens, len(row.tokens) - 1
+        row.state = state = ModelState(self.model)
+        at = 0
+        found = row.prefix_cache.lookup(prompt, end) if row.prefix_cache is not None else None
+        if found is not None and found[1] > 0:
+            entry, at = found
+            state.restore(entry.target, at)
+        row.stats.cached_tokens = at
+        for point in sorted({p for p in row.checkpoints if at < p < end} | {end}):
+            while state.length < point:
+                n = min(self.prefill_step, point - state.length)
+                state.prefill(prompt[state.length : state.length + n], step=n)
+                yield
+            if row.prefix_cache is not None and state.length > at:
+                row.prefix_cache.store(prompt[: state.length], state.snapshot())
+        if row.drafter is not None:
+            row.drafter.start(prompt)
+            if not row.drafter.uses_model:
+                row.gate.prompt_check(repetition_score(prompt))
+            row._sync_gate()
+
+    def _join(self, row: Row) -> None:
+        # an empty cache (a 1-token prompt) joins as a row of zero length
+        self.cache.join(row.state.cache)
+        row.state = None
+        self.rows.append(row)
+
+    def _decode(self) -> None:
+        rows = list(self.rows)
+        plans = [r.plan_draft() for r in rows]
+        width = 1 + max(len(p[0]) for p in plans)
+        inputs = [[r.tokens[-1], *host] + [PAD] * (width - 1 - len(host)) for r, (host, _) in zip(rows, plans)]
+        logits = self.model(mx.array(inputs, mx.uint32), cache=self.cache.layers)  # (B, W, V)
+        assert logits.shape[:2] == (len(rows), width), logits.shape
+        results = []
+        for i, (r, (host, draft)) in enumerate(zip(rows, plans)):
+            k = len(host)
+            if k == 0:  # a plain step: plain decoding's own draw
+                results.append((mx.array(0), r.sampling.sample(logits[i, :1])))
+            else:
+                lp = r.sampling.logprobs(logits[i, : k + 1])
+                results.append(accept(r.sampling, lp, draft.tokens, draft.logprobs))
+        mx.eval(results)
+        junk = []
+        for r, (host, _), (n_acc, out) in zip(rows, plans, results):
+            n = n_acc.item()
+            junk.append(width - 1 - n)
+            r.commit(host[:n] + [out[n].item()], len(host), n)
+        self.cache.rollback(junk)
+        self.steps += 1
+        self.row_steps += len(rows)
+        for r in rows:  # a row that ended leaves now (its consumer still has its last tokens)
+            if r.finished:
+                self._leave(r)

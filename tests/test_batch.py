@@ -1,0 +1,240 @@
+"""Batched decoding (engine/batch.py): every row is its request served alone.
+
+- Identity: on mini-attn in fp32, requests join at random steps and random ones are cancelled;
+  each request that completes gives exactly the tokens it gives alone: at temperature 0, and
+  at temperature > 0 with a seed (the row draws from its own stream in the order the
+  single-request loop does). A planted bug, the ragged rollback applying only the rows'
+  common junk, fails it.
+- Distribution: prompt lookup at temperature 0.35 (test_distribution's pld case: drafts
+  rejected at positions 1, 2 and 3, counted) drawn as batch rows beside neighbours at
+  temperature 0.25 (another prompt, another length) and 0: each row kind scored against its
+  own exact distribution by the same battery, whose power (>= 0.9 against 3 points moved at
+  position 2) is checked beside it. Planted: one sampler for the whole batch (the first
+  row's temperature for every row, as mlx-vlm's batched speculation does) fails it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+import mlxspec
+from mlxspec.engine import batch as batch_mod
+from mlxspec.engine import batch_cache
+from mlxspec.engine.batch import BatchedDecoder, RowPlan
+from mlxspec.engine.drafters.pld import PromptLookupDrafter
+from mlxspec.engine.sampling import SamplingParams, accept
+from mlxspec.errors import UsageError
+from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
+
+MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
+
+IMPORTS = "import os\nimport sys\nimport os\nimport"
+LISTS = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"
+REVERSE = "Write a function that reverses a string."
+REQUESTS = [  # (prompt, options): pld and none, temperature 0 and seeded > 0, several lengths
+    (IMPORTS, dict(drafter="pld", max_tokens=40)),
+    (REVERSE, dict(drafter="none", max_tokens=25)),
+    (REVERSE, dict(drafter="pld", temperature=0.8, seed=3, max_tokens=36)),
+    ("List three colors.", dict(drafter="pld", temperature=1.0, top_p=0.9, seed=5, max_tokens=30)),
+    (LISTS, dict(drafter="pld", temperature=0.5, top_k=20, seed=8, max_tokens=28)),
+    ("Say hi.", dict(drafter="none", temperature=0.7, seed=11, max_tokens=12)),
+    (LISTS, dict(drafter="pld", max_tokens=40)),
+]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    s = mlxspec.load(str(MODELS / "mini-attn"))
+    s.astype("float32")
+    return s
+
+
+@pytest.fixture(scope="module")
+def alone(spec):
+    return [spec.generate(p, reuse=False, **o).tokens for p, o in REQUESTS]
+
+
+def common_junk_only(self, junk):
+    """PLANTED: every row rolled back by the junk all rows share (a uniform trim)."""
+    for layer in self.layers:
+        layer.trim(min(junk))
+
+
+def run_schedule(spec, seed: int, max_rows: int = 4):
+    """Requests join at random steps, a few are cancelled; returns (finished: index -> tokens,
+    cancelled count, the most rows decoded together, junk lists of the rollbacks)."""
+    rng = random.Random(seed)
+    batch = spec.batch(max_rows)
+    queue = [rng.randrange(len(REQUESTS)) for _ in range(9)]
+    live, finished, cancelled, most = [], [], 0, 0
+    while queue or live:
+        if queue and not batch.full and (not live or rng.random() < 0.4):
+            i = queue.pop()
+            live.append((i, spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]), []))
+        for entry in list(live):
+            i, stream, got = entry
+            if got and rng.random() < 0.01:  # the client leaves
+                stream.close()
+                live.remove(entry)
+                cancelled += 1
+                continue
+            try:
+                got.extend(next(stream).tokens)
+            except StopIteration:
+                live.remove(entry)
+                finished.append((i, got))
+        most = max(most, len(batch.rows))
+    assert len(batch) == 0 and batch.cache.layers is None  # every row left
+    return finished, cancelled, most
+
+
+def test_rows_give_what_each_request_gives_alone(spec, alone, monkeypatch):
+    junks = []
+    real = batch_cache.RaggedCache.rollback
+    monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
+    done, cancelled, most = 0, 0, 0
+    for seed in range(3):
+        finished, c, m = run_schedule(spec, seed)
+        for i, got in finished:
+            assert got == alone[i], (seed, i)
+        done, cancelled, most = done + len(finished), cancelled + c, max(most, m)
+    assert done >= 18 and cancelled >= 1 and most >= 3, (done, cancelled, most)
+    # rows were rolled back by different amounts in one step (drafts rejected at different places)
+    assert sum(len(set(j)) > 1 for j in junks) >= 20
+
+
+def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
+    monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
+    finished, _, _ = run_schedule(spec, 0)
+    assert sum(got != alone[i] for i, got in finished) >= 2
+
+
+def test_a_row_leaves_its_cache_for_the_next_request(spec, alone):
+    spec.prompt_cache.clear()
+    batch = spec.batch(2)
+    first = [c.tokens for c in spec.stream_in(batch, REQUESTS[0][0], **REQUESTS[0][1])]
+    again = spec.generate(REQUESTS[0][0], **REQUESTS[0][1])  # alone, from the row's cache
+    assert sum(first, []) == again.tokens == alone[0]
+    assert again.stats.cached_tokens >= len(spec.encode(REQUESTS[0][0])) - 1
+    spec.prompt_cache.clear()
+
+
+def test_a_long_prompt_joins_in_chunks_while_the_others_decode(spec):
+    batch = spec.batch(2)
+    batch.prefill_step = 64
+    running = spec.stream_in(batch, REQUESTS[1][0], reuse=False, **REQUESTS[1][1])
+    next(running)
+    long_prompt = "one two three four five six seven eight nine ten " * 60  # ~600 tokens: 10 chunks
+    joining = spec.stream_in(batch, long_prompt, reuse=False, drafter="pld", max_tokens=4)
+    gaps, before = [], None
+    for _ in range(5):  # the joining row's first next() steps the batch until its first token
+        before = batch.steps
+        next(running)
+        gaps.append(batch.steps - before)
+    assert gaps == [1] * 5  # each step of the running row: one prefill chunk, one decode step
+    assert batch.joining  # still prefilling
+    assert list(joining)  # and it completes
+    running.close()
+
+
+def test_refusals_name_why(spec):
+    from mlxspec.api import GenerationRequest
+
+    assert spec.batch_plan(GenerationRequest(drafter="mtp"))[1] == "drafter mtp is served alone"
+    assert "served alone" in spec.batch_plan(GenerationRequest(logprobs=2))[1]
+    hybrid = mlxspec.load(str(MODELS / "mini-hybrid"))
+    plan, why = hybrid.batch_plan(GenerationRequest(drafter="pld"))
+    assert plan is None and "ArraysCache" in why
+    with pytest.raises(UsageError, match="ArraysCache"):
+        hybrid.stream_in(hybrid.batch(2), "hi", drafter="pld")
+    with pytest.raises(UsageError):
+        spec.batch(0)
+
+
+# -- temperature > 0: the distribution of each row kind, neighbours at other temperatures ----------
+
+ALPHA = 1e-3
+LENGTH = DEPTH = 3
+SUBJECT = ([2, 0, 6, 2, 0, 6, 2], SamplingParams(temperature=0.35))  # test_distribution's pld case
+NEIGHBOUR = ([2, 3, 2, 3, 2, 3, 2], SamplingParams(temperature=0.25))
+N = 360  # draws of each kind: power >= 0.9 (test_the_batch_battery_has_power)
+N_PLANTED = 180  # the planted bug fails the battery at its own level
+
+
+@pytest.fixture(scope="module")
+def vocab8(tiny_vocab8):
+    model = mlx_lm.load(str(tiny_vocab8))[0]
+    exact = {name: exact_joint(model, prompt, LENGTH, params) for name, (prompt, params) in
+             (("subject", SUBJECT), ("neighbour", NEIGHBOUR))}
+    return model, exact
+
+
+def draw_rows(model, n: int, seed: int) -> dict[str, Counter]:
+    """N draws of each kind's first LENGTH tokens: a batch of a greedy row, 3 subjects and 3
+    neighbours (their prefills join a step apart), max_tokens LENGTH + 1 or + 2 (the greedy
+    row's 12: it outlives the others)."""
+    counts = {"subject": Counter(), "neighbour": Counter()}
+    kinds = ["greedy"] + ["subject", "neighbour"] * 3
+    for b in range(n // 3):
+        batch = BatchedDecoder(model, len(kinds))
+        rows = []
+        for j, kind in enumerate(kinds):
+            prompt, params = {"subject": SUBJECT, "neighbour": NEIGHBOUR}.get(kind, (SUBJECT[0][:5], SamplingParams()))
+            plan = RowPlan(PromptLookupDrafter(max_ngram=2, min_ngram=1), DEPTH, depth=DEPTH, gates=False)
+            max_tokens = 12 if kind == "greedy" else LENGTH + 1 + j % 2
+            rows.append((kind, batch.add(prompt, sampling=params, max_tokens=max_tokens, stop_tokens=set(),
+                                         plan=plan, seed=seed + b * len(kinds) + j)))
+        for kind, row in rows:
+            got = [t for new, _ in row.updates() for t in new]
+            if kind != "greedy":
+                counts[kind][tuple(got[:LENGTH])] += 1
+    return counts
+
+
+def test_the_batch_battery_has_power(vocab8):
+    _, exact = vocab8
+    for probs in exact.values():
+        assert simulated_power(probs, shift_at(probs, 1), N, ALPHA, battery_keys(probs)) >= 0.9
+
+
+def test_each_row_samples_its_own_exact_distribution(vocab8, monkeypatch):
+    model, exact = vocab8
+    rejected = Counter()  # the subjects' verifies, by the draft position that was rejected
+
+    def spy(params, target_lp, draft, draft_lp=None):
+        n_acc, out = accept(params, target_lp, draft, draft_lp)
+        if params.temperature == SUBJECT[1].temperature and n_acc.item() < draft.shape[0]:
+            rejected[n_acc.item() + 1] += 1
+        return n_acc, out
+
+    monkeypatch.setattr(batch_mod, "accept", spy)
+    counts = draw_rows(model, N, 1000)
+    assert min(rejected[i] for i in (1, 2, 3)) >= 10, rejected  # residuals drawn at every position
+    for kind, probs in exact.items():
+        p = battery_pvalues(counts[kind], probs, N, battery_keys(probs))
+        assert min(p.values()) > ALPHA / len(p), (kind, p)
+
+
+def one_sampler_for_the_batch(real):
+    """PLANTED: every row samples with the first row's parameters (the greedy row's; its own
+    random stream kept), as a batch with one sampler does."""
+    def decode(self):
+        for r in self.rows:
+            r.sampling = replace(self.rows[0].sampling, keys=r.sampling.keys)
+        real(self)
+    return decode
+
+
+def test_the_planted_single_sampler_is_caught_by_the_battery(vocab8, monkeypatch):
+    model, exact = vocab8
+    monkeypatch.setattr(BatchedDecoder, "_decode", one_sampler_for_the_batch(BatchedDecoder._decode))
+    counts = draw_rows(model, N_PLANTED, 5000)
+    probs = exact["neighbour"]  # sampled greedily
+    p = battery_pvalues(counts["neighbour"], probs, N_PLANTED, battery_keys(probs))
+    assert min(p.values()) < ALPHA / len(p) / 100, p
