@@ -281,12 +281,17 @@ class SpecModel:
         """An engine that decodes up to MAX_ROWS requests together (:meth:`stream_in`)."""
         return BatchedDecoder(self.target.model, max_rows)
 
-    def batch_plan(self, request: GenerationRequest) -> tuple[RowPlan | None, str | None]:
-        """How REQUEST decodes as a row of a batch, or (None, why not): it is served alone."""
+    @property
+    def cannot_batch(self) -> str | None:
+        """Why this model's requests cannot share a batched forward; None: they can."""
         if self._batch_refusal is None:
             self._batch_refusal = (batch_refusal(self.target.model) or "",)
-        if self._batch_refusal[0]:
-            return None, f"{self.name} cannot batch: {self._batch_refusal[0]}"
+        return self._batch_refusal[0] or None
+
+    def batch_plan(self, request: GenerationRequest) -> tuple[RowPlan | None, str | None]:
+        """How REQUEST decodes as a row of a batch, or (None, why not): it is served alone."""
+        if self.cannot_batch:
+            return None, f"{self.name} cannot batch: {self.cannot_batch}"
         r = request
         if r.constraint is not None or r.logprobs is not None or r.penalties.active:
             return None, "constrained output, logprobs and penalties are served alone"

@@ -62,6 +62,11 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 16  # requests that may wait for the worker before 503
 DEFAULT_MAX_TOKENS_CAP = 4096  # largest max_tokens a request may ask for
+# requests decoded together (--max-batch): the default fits this many rows of BATCH_ROW_CONTEXT
+# tokens of KV cache into half the memory the weights leave, at most DEFAULT_MAX_BATCH_CAP
+MAX_BATCH_LIMIT = 64
+DEFAULT_MAX_BATCH_CAP = 8
+BATCH_ROW_CONTEXT = 8192
 # /v1/responses answers kept in memory for a later previous_response_id (least recently used
 # dropped first; a conversation's turns share their messages, so a long chain costs one copy)
 MAX_STORED_RESPONSES = 64

@@ -39,7 +39,7 @@ from pathlib import Path
 from . import hardware
 from .errors import MlxspecError, ModelNotFoundError, UsageError
 from .hardware import Profile
-from .options import DEFAULT_MAX_DEPTH, check_choice
+from .options import BATCH_ROW_CONTEXT, DEFAULT_MAX_BATCH_CAP, DEFAULT_MAX_DEPTH, check_choice
 from .units import human_bytes
 
 
@@ -293,6 +293,18 @@ def choose(profile: Profile, caps: ModelCaps) -> tuple[Preset, list[str]]:
     if note:
         reasons.append(note)
     return pick, reasons
+
+
+def default_max_batch(budget_bytes: int | None, model_bytes: int, kv_bytes_per_token: int) -> tuple[int, str]:
+    """Requests `serve` decodes together by default, and why: rows of BATCH_ROW_CONTEXT
+    tokens of KV cache in half the memory the weights leave, at most DEFAULT_MAX_BATCH_CAP."""
+    if not budget_bytes or kv_bytes_per_token <= 0:
+        return 1, "memory unknown"
+    room = (budget_bytes - model_bytes) // 2
+    per_row = kv_bytes_per_token * BATCH_ROW_CONTEXT
+    rows = max(1, min(DEFAULT_MAX_BATCH_CAP, room // per_row))
+    return int(rows), (f"{human_bytes(max(room, 0))} for KV caches of {human_bytes(per_row)} a "
+                       f"{BATCH_ROW_CONTEXT}-token row")
 
 
 def how_to_get_dflash(name: str | None) -> str:

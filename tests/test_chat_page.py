@@ -87,7 +87,7 @@ def test_serve_turns_the_page_on_for_loopback_only_unless_asked(monkeypatch):
 
     seen = []
 
-    def build(model, draft_model, cache_bytes, max_connections, **settings):
+    def build(model, draft_model, cache_bytes, max_connections, max_batch, **settings):
         seen.append(settings["ui"])
         raise SystemExit(0)
 

@@ -14,11 +14,13 @@ import typer
 from ..errors import MlxspecError, UsageError
 from ..options import (
     DEFAULT_HOST,
+    DEFAULT_MAX_BATCH_CAP,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS_CAP,
     DEFAULT_PORT,
     DEFAULT_PROMPT_CACHE_SIZE,
+    MAX_BATCH_LIMIT,
 )
 from .app import app
 from .console import (
@@ -119,6 +121,11 @@ def serve(
         "--api-key-file", metavar="F", show_default=False, help="Read the key from file F.")] = None,
     max_queue: Annotated[int, typer.Option(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = DEFAULT_MAX_QUEUE,
+    max_batch: Annotated[Optional[int], typer.Option(
+        "--max-batch", metavar="N", show_default=False,
+        help="Requests decoded together, each exact as if alone (prompt lookup or no drafter; "
+             "others run one at a time). Default: what this machine's memory holds beside the "
+             f"model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one request at a time.")] = None,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
     max_connections: Annotated[int, typer.Option(
@@ -153,12 +160,14 @@ def serve(
         model = _one_model(model, model_option)
         if max_connections < 1:
             raise UsageError("--max-connections must be >= 1")
+        if max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT:
+            raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH_LIMIT} (got {max_batch})")
         ui_on = _is_loopback(host) if ui is None else ui
         check_port_free(host, port)  # before the model loads: minutes, for a port in use
         from .machine import prepare_run
 
         drafter, draft_model, _ = prepare_run(given["preset"], model, given["drafter"], draft_model, ctx)
-        spec, application = _build_app(model, draft_model, cache_bytes, max_connections, api_key=key,
+        spec, application = _build_app(model, draft_model, cache_bytes, max_connections, max_batch, api_key=key,
                                        max_queue=max_queue, max_tokens_cap=max_tokens_cap, drafter=drafter,
                                        cors=cors, reasoning=given["reasoning"], ui=ui_on)
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
@@ -167,6 +176,7 @@ def serve(
                f"{', draft ' + spec.draft.name if spec.draft else ''})")
     body = f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
     print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+    print_note(application.state.batch_note)
     if ui_on:
         print_note(f"chat page: open {url}/ in a browser")
     _run_server(application, host, port, log_level)
@@ -217,8 +227,9 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: int, max_connections: int,
-               **settings):
-    """The loaded model and the ASGI app serving it; SETTINGS are the server's Settings."""
+               max_batch: Optional[int], **settings):
+    """The loaded model and the ASGI app serving it; SETTINGS are the server's Settings
+    (max_batch: None chooses it; ``app.state.batch_note`` says what was chosen and why)."""
     from ..api import load
     from ..server.app import create_app
     from ..server.common import Settings
@@ -229,7 +240,32 @@ def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: in
         spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
     if spec.is_demo:
         demo_notice(spec.name)
-    return spec, create_app(spec, Settings(model_name=spec.name, **settings), Limits(max_connections=max_connections))
+    max_batch, note = _max_batch(spec, max_batch)
+    app = create_app(spec, Settings(model_name=spec.name, max_batch=max_batch, **settings),
+                     Limits(max_connections=max_connections))
+    app.state.batch_note = note
+    return spec, app
+
+
+def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:
+    """The requests decoded together, and the banner's line about it."""
+    if spec.cannot_batch:
+        return 1, f"requests run one at a time: {spec.name} cannot batch ({spec.cannot_batch})"
+    if asked is None:
+        from ..engine.batch_cache import kv_bytes_per_token
+        from ..engine.cache import model_nbytes
+        from ..hardware import detect
+        from ..presets import default_max_batch
+
+        asked, why = default_max_batch(detect(fast=True).memory_budget_bytes, model_nbytes(spec.target.model),
+                                       kv_bytes_per_token(spec.target.model))
+        how = f"default: {why}; --max-batch sets it"
+    else:
+        how = "--max-batch"
+    if asked == 1:
+        return 1, f"requests run one at a time ({how})"
+    return asked, (f"up to {asked} requests decode together ({how}); prompt lookup and no drafter "
+                   "batch, other drafters run alone")
 
 
 def _run_server(application, host: str, port: int, log_level: str) -> None:

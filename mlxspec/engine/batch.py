@@ -89,11 +89,15 @@ class Row:
 
     def updates(self) -> Iterator[tuple[list[int], Stats]]:
         """(new tokens, stats) as committed; steps the whole batch whenever this row has none
-        waiting. Closing it takes the row out of the batch."""
+        waiting. While the row still prefills it yields ([], stats) after each step, so its
+        caller can serve the other rows' tokens meanwhile. Closing it takes the row out."""
         try:
             while True:
                 while not self.out and not self.finished:
+                    joining = self in self.engine.joining
                     self.engine.step()
+                    if joining and not self.out and not self.finished:
+                        yield [], self.stats
                 if self.out:
                     yield self.out.popleft(), self.stats
                 elif self.error is not None:

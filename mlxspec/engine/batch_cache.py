@@ -30,6 +30,18 @@ def batch_refusal(model: nn.Module) -> str | None:
     return None
 
 
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes one token takes in MODEL's cache (one token fed, the allocation divided out)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[0]], mx.uint32), cache=cache))
+    total = 0
+    for c in cache_leaves(cache):
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is not None and values is not None:
+            total += (keys.nbytes + values.nbytes) // keys.shape[2]
+    return total
+
+
 class RaggedCache:
     """Per layer a ``BatchKVCache``; rows join (their own prefilled caches), leave, and roll
     back by their own amounts."""

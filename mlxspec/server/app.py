@@ -36,7 +36,9 @@ def create_app(spec: ServedModel, settings: Settings, limits: Limits | None = No
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(server.metrics.render(server.worker.depth, spec.prompt_cache),
+        w = server.worker
+        batch = {"max_rows": w.max_batch, "rows": w.running, "steps": w.batch_steps, "row_steps": w.batch_row_steps}
+        return PlainTextResponse(server.metrics.render(w.depth, spec.prompt_cache, batch),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -52,6 +52,7 @@ class Settings:
     reasoning: str = "auto"  # on | off | auto: the chat template's enable_thinking by default
     prompt_workers: int = 2  # prompts rendered and tokenized at once (max_queue more may wait)
     ui: bool = True  # the chat page at / and /ui/ (ui.py); serve turns it off off loopback
+    max_batch: int = 1  # requests decoded together (worker.py); 1: one at a time
 
 
 class ServedModel(Protocol):

@@ -60,7 +60,7 @@ class Server:
     def __init__(self, spec: ServedModel, settings: Settings):
         self.spec = spec
         self.settings = settings
-        self.worker = Worker(spec, settings.max_queue)
+        self.worker = Worker(spec, settings.max_queue, settings.max_batch)
         self.prompts = PromptWork(spec, settings.prompt_workers, settings.max_queue)
         self.metrics = Metrics()
 

@@ -89,7 +89,7 @@ class Metrics:
         if stats.verify_steps:
             self.drafters.setdefault(stats.drafter, DrafterCounts()).add(stats)
 
-    def render(self, queue_depth: int, prompt_cache: PrefixCache | None = None) -> str:
+    def render(self, queue_depth: int, prompt_cache: PrefixCache | None = None, batch: dict | None = None) -> str:
         lines = family("mlxspec_requests_total", "counter", "Requests answered, by surface and HTTP status.",
                        [(labels(surface=s, status=c), n) for (s, c), n in sorted(self.requests.items())])
         for name, value, what in (
@@ -111,6 +111,8 @@ class Metrics:
         lines += family("mlxspec_acceptance_ratio", "gauge", "Accepted over drafted tokens since start.",
                         [("", f"{rate:.6f}")])
         lines += family("mlxspec_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
+        if batch is not None:
+            lines += batch_lines(batch)
         if prompt_cache is not None:
             lines += prompt_cache_lines(prompt_cache.stats())
         return "\n".join(lines) + "\n"
@@ -146,3 +148,14 @@ def prompt_cache_lines(stats: dict) -> list[str]:
             + family("mlxspec_prompt_cache_entries", "gauge", "Cached prompt prefixes.", [("", stats["entries"])])
             + family("mlxspec_prompt_cache_hits_total", "counter", "Requests that reused a cached prefix.",
                      [("", stats["hits"])]))
+
+
+def batch_lines(batch: dict) -> list[str]:
+    """The batch's size and its steps: rate(row_steps) / rate(steps) is the mean rows a step."""
+    return (family("mlxspec_batch_max_rows", "gauge", "Requests that may decode together (--max-batch).",
+                   [("", batch["max_rows"])])
+            + family("mlxspec_batch_rows", "gauge", "Requests running now (rows of the batch, or one alone).",
+                     [("", batch["rows"])])
+            + family("mlxspec_batch_steps_total", "counter", "Batched target forwards.", [("", batch["steps"])])
+            + family("mlxspec_batch_row_steps_total", "counter", "Rows those batched forwards decoded, summed.",
+                     [("", batch["row_steps"])]))

@@ -1,9 +1,16 @@
 """One generation worker for the one loaded model.
 
 Requests wait in a bounded queue (full: the caller answers 503/529); ``max_queue`` of them may
-wait while one runs, 0 letting none wait. The worker thread runs one generation at a time and
-hands its chunks to the request's event loop. A request whose client went away cancels its
-job: a waiting job leaves the queue at once, a running one stops at the next chunk.
+wait while the running ones run, 0 letting none wait. The worker thread hands each job's
+chunks to the request's event loop. A request whose client went away cancels its job: a
+waiting job leaves the queue at once, a running one stops at its next chunk.
+
+With ``max_batch`` > 1, up to that many jobs run together as rows of one batch
+(``SpecModel.stream_in``, engine/batch.py): jobs join between steps, and the worker takes one
+chunk from each running job in turn (a row with no tokens waiting steps the whole batch). A
+job the batch cannot take (``SpecModel.batch_plan``: e.g. a model drafter, constrained
+output) runs alone once the rows before it are done; the jobs behind it wait (first come,
+first served).
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import asyncio
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Iterator
 
 if TYPE_CHECKING:
     from ..api import GenerationRequest
@@ -33,6 +40,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     withdraw: Callable[[Job], None] | None = None  # takes a waiting job out of the queue
+    batchable: bool | None = None  # whether it may join the batch (None: not asked yet)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -65,26 +73,37 @@ class Job:
 
 
 class Worker:
-    def __init__(self, spec: ServedModel, max_queue: int):
+    def __init__(self, spec: ServedModel, max_queue: int, max_batch: int = 1):
         self.spec = spec
         self.max_queue = max_queue
+        # batching needs the model's batch engine (a test's stand-in model may have none)
+        self.max_batch = max_batch if hasattr(spec, "stream_in") else 1
         self._waiting: deque[Job] = deque()
         self._ready = threading.Condition()
-        self.busy = False
-        self._running: Job | None = None
+        self._running: list[Job] = []
+        self.batch_steps = 0  # batched forwards run, and the rows they served (for /metrics)
+        self.batch_row_steps = 0
         self._thread = threading.Thread(target=self._run, name="mlxspec-generation", daemon=True)
         self._thread.start()
 
     @property
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
     def depth(self) -> int:
-        """Requests waiting plus the one running."""
-        return len(self._waiting) + int(self.busy)
+        """Requests waiting plus those running."""
+        return len(self._waiting) + len(self._running)
 
     def submit(self, prompt: list[int], request: GenerationRequest) -> Job:
         job = Job(prompt, request, asyncio.get_running_loop(), withdraw=self._withdraw)
         with self._ready:
-            # an idle worker takes the next job at once: one more than max_queue may be in line
-            if len(self._waiting) >= self.max_queue + (0 if self.busy else 1):
+            # free rows take the next jobs at once: that many more than max_queue may be in line
+            if len(self._waiting) >= self.max_queue + max(self.max_batch - len(self._running), 0):
                 raise QueueFull
             self._waiting.append(job)
             self._ready.notify()
@@ -100,19 +119,11 @@ class Worker:
     def stop(self, err: BaseException) -> None:
         """End every job, waiting or running, with ERR (the server is shutting down)."""
         with self._ready:
-            jobs = list(self._waiting) + ([self._running] if self._running is not None else [])
+            jobs = list(self._waiting) + self._running
             self._waiting.clear()
         for job in jobs:
             job.cancel()
             self._send(job, err)
-
-    def _next(self) -> Job:
-        with self._ready:
-            while not self._waiting:
-                self._ready.wait()
-            self.busy = True
-            self._running = self._waiting.popleft()
-            return self._running
 
     def _send(self, job: Job, item) -> None:
         try:
@@ -120,23 +131,99 @@ class Worker:
         except RuntimeError:  # the request's loop is gone (server shutting down)
             job.cancel()
 
+    def _finish(self, job: Job) -> None:
+        with self._ready:
+            if job in self._running:
+                self._running.remove(job)
+
     def _run(self) -> None:
+        if self.max_batch > 1:
+            self._run_batched()
         while True:
-            job = self._next()
-            stream = None
-            try:
+            with self._ready:
+                while not self._waiting:
+                    self._ready.wait()
+                job = self._waiting.popleft()
+                self._running.append(job)
+            self._run_alone(job)
+
+    def _run_alone(self, job: Job) -> None:
+        stream = None
+        try:
+            if job.cancelled.is_set():
+                return
+            stream = self.spec.stream(prompt=job.prompt, request=job.request)
+            for chunk in stream:
                 if job.cancelled.is_set():
-                    continue
-                stream = self.spec.stream(prompt=job.prompt, request=job.request)
-                for chunk in stream:
-                    if job.cancelled.is_set():
-                        break
-                    self._send(job, chunk)
-                self._send(job, _DONE)
-            except Exception as err:  # handed to the request, which answers with it
-                self._send(job, err)
-            finally:
-                if stream is not None:
-                    stream.close()
-                with self._ready:
-                    self.busy, self._running = False, None
+                    break
+                self._send(job, chunk)
+            self._send(job, _DONE)
+        except Exception as err:  # handed to the request, which answers with it
+            self._send(job, err)
+        finally:
+            if stream is not None:
+                stream.close()
+            self._finish(job)
+
+    # -- batching ---------------------------------------------------------------------
+    def _run_batched(self) -> None:
+        batch = self.spec.batch(self.max_batch)
+        rows: list[tuple[Job, Iterator]] = []
+        while True:
+            with self._ready:
+                while not self._waiting and not rows:
+                    self._ready.wait()
+                job = self._waiting[0] if self._waiting and len(rows) < self.max_batch else None
+            if job is not None and job.batchable is None:
+                job.batchable = self._batchable(job)  # off the lock: it may time the model once
+            alone = None
+            with self._ready:
+                if job is not None and self._waiting and self._waiting[0] is job:
+                    if job.batchable or not rows:  # one that cannot join waits for the rows before it
+                        self._waiting.popleft()
+                        self._running.append(job)
+                        if not job.batchable:
+                            alone = job
+                    job = job if job.batchable else None
+                else:
+                    job = None
+            if alone is not None:
+                self._run_alone(alone)
+                continue
+            if job is not None:
+                try:
+                    if not job.cancelled.is_set():
+                        rows.append((job, self.spec.stream_in(batch, prompt=job.prompt, request=job.request)))
+                    else:
+                        self._finish(job)
+                except Exception as err:  # refused: handed to the request
+                    self._send(job, err)
+                    self._finish(job)
+            for entry in list(rows):
+                if not self._advance(*entry):
+                    rows.remove(entry)
+                    self._finish(entry[0])
+            self.batch_steps, self.batch_row_steps = batch.steps, batch.row_steps
+
+    def _batchable(self, job: Job) -> bool:
+        try:
+            return self.spec.batch_plan(job.request)[0] is not None
+        except Exception:  # the request is wrong: run alone, it fails there with its error
+            return False
+
+    def _advance(self, job: Job, stream: Iterator) -> bool:
+        """Hand JOB its next chunk; False once it is over (done, failed or cancelled)."""
+        try:
+            if job.cancelled.is_set():
+                stream.close()
+                return False
+            chunk = next(stream)
+            if chunk.tokens or chunk.text:  # not a row's "still prefilling" chunk
+                self._send(job, chunk)
+            return True
+        except StopIteration:
+            self._send(job, _DONE)
+        except Exception as err:  # handed to the request, which answers with it
+            self._send(job, err)
+            stream.close()
+        return False
