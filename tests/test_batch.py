@@ -1,10 +1,10 @@
 """Batched decoding (engine/batch.py): every row is its request served alone.
 
-- Identity: on mini-attn in fp32, requests join at random steps and random ones are cancelled;
-  each request that completes gives exactly the tokens it gives alone: at temperature 0, and
-  at temperature > 0 with a seed (the row draws from its own stream in the order the
-  single-request loop does). A planted bug, the ragged rollback applying only the rows'
-  common junk, fails it.
+- Identity: on mini-attn and mini-hybrid (GatedDeltaNet) in fp32, requests join at random
+  steps and random ones are cancelled; each request that completes gives exactly the tokens
+  it gives alone: at temperature 0, and at temperature > 0 with a seed (the row draws from
+  its own stream in the order the single-request loop does). Planted bugs fail it: the ragged rollback applying only the
+  rows' common junk; every row's recurrent state replayed by the first row's kept count.
 - Distribution: prompt lookup at temperature 0.35 (test_distribution's pld case: drafts
   rejected at positions 1, 2 and 3, counted) drawn as batch rows beside neighbours at
   temperature 0.25 (another prompt, another length) and 0: each row kind scored against its
@@ -60,6 +60,14 @@ def alone(spec):
     return [spec.generate(p, reuse=False, **o).tokens for p, o in REQUESTS]
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+    """mini-hybrid: GatedDeltaNet layers, each row's recurrent state replayed by its own count."""
+    s = mlxspec.load(str(MODELS / "mini-hybrid"))
+    s.astype("float32")
+    return s, [s.generate(p, reuse=False, **o).tokens for p, o in REQUESTS]
+
+
 def common_junk_only(self, junk):
     """PLANTED: every row rolled back by the junk all rows share (a uniform trim)."""
     for layer in self.layers:
@@ -94,7 +102,10 @@ def run_schedule(spec, seed: int, max_rows: int = 4):
     return finished, cancelled, most
 
 
-def test_rows_give_what_each_request_gives_alone(spec, alone, monkeypatch):
+@pytest.mark.parametrize("target", ["attn", "hybrid"])
+def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
+    spec, alone = (request.getfixturevalue("spec"), request.getfixturevalue("alone")) if target == "attn" \
+        else request.getfixturevalue("hybrid")
     junks = []
     real = batch_cache.RaggedCache.rollback
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
@@ -111,6 +122,14 @@ def test_rows_give_what_each_request_gives_alone(spec, alone, monkeypatch):
 
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
+    finished, _, _ = run_schedule(spec, 0)
+    assert sum(got != alone[i] for i, got in finished) >= 2
+
+
+def test_the_planted_shared_replay_count_is_caught(hybrid, monkeypatch):
+    spec, alone = hybrid
+    real = batch_cache.RaggedCache._replay
+    monkeypatch.setattr(batch_cache.RaggedCache, "_replay", lambda self, junk: real(self, [junk[0]] * len(junk)))
     finished, _, _ = run_schedule(spec, 0)
     assert sum(got != alone[i] for i, got in finished) >= 2
 
@@ -150,11 +169,11 @@ def test_refusals_name_why(spec):
 
     assert spec.batch_plan(GenerationRequest(drafter="mtp"))[1] == "drafter mtp is served alone"
     assert "served alone" in spec.batch_plan(GenerationRequest(logprobs=2))[1]
-    hybrid = mlxspec.load(str(MODELS / "mini-hybrid"))
-    plan, why = hybrid.batch_plan(GenerationRequest(drafter="pld"))
-    assert plan is None and "ArraysCache" in why
-    with pytest.raises(UsageError, match="ArraysCache"):
-        hybrid.stream_in(hybrid.batch(2), "hi", drafter="pld")
+    gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
+    plan, why = gemma.batch_plan(GenerationRequest(drafter="pld"))
+    assert plan is None and "RotatingKVCache" in why
+    with pytest.raises(UsageError, match="RotatingKVCache"):
+        gemma.stream_in(gemma.batch(2), "hi", drafter="pld")
     with pytest.raises(UsageError):
         spec.batch(0)
 

@@ -159,7 +159,7 @@ class BatchedDecoder:
         self.model = model
         self.max_rows = max_rows
         self.prefill_step = prefill_step
-        self.cache = RaggedCache()
+        self.cache = RaggedCache(model)
         self.rows: list[Row] = []  # in the cache's row order
         self.joining: deque[Row] = deque()
         self.steps = 0  # batched forwards run
@@ -259,7 +259,7 @@ class BatchedDecoder:
         plans = [r.plan_draft() for r in rows]
         width = 1 + max(len(p[0]) for p in plans)
         inputs = [[r.tokens[-1], *host] + [PAD] * (width - 1 - len(host)) for r, (host, _) in zip(rows, plans)]
-        logits = self.model(mx.array(inputs, mx.uint32), cache=self.cache.layers)  # (B, W, V)
+        logits = self.cache.forward(mx.array(inputs, mx.uint32))  # (B, W, V)
         assert logits.shape[:2] == (len(rows), width), logits.shape
         results = []
         for i, (r, (host, draft)) in enumerate(zip(rows, plans)):

@@ -1,37 +1,49 @@
 """The target's cache for several requests at once, each row rolled back by its own amount.
 
-mlx-lm's ``BatchKVCache`` holds rows left-padded to one write index: row i's tokens are at
-positions ``[left_padding[i], idx)``, its RoPE offset is ``offset[i]`` (its own length) and
-the attention mask hides the padding. A verify feeds every row the same width W (its last
-token, its drafts, pad tokens to W) and row i keeps ``kept[i]`` of those positions; the other
-``W - kept[i]`` at its end are junk. Rolling row i right by its junk count moves its tokens
-to end at ``idx`` again and its junk past ``idx`` (the padding grows by as much), which is
-what ``BatchKVCache.finalize`` does for right-padded prompts: the rollback is exact, and the
-other rows are untouched.
+Attention layers: mlx-lm's ``BatchKVCache`` holds rows left-padded to one write index: row
+i's tokens are at positions ``[left_padding[i], idx)``, its RoPE offset is ``offset[i]`` (its
+own length) and the attention mask hides the padding. A verify feeds every row the same width
+W (its last token, its drafts, pad tokens to W) and row i keeps ``kept[i]`` of those
+positions; the other ``W - kept[i]`` at its end are junk. Rolling row i right by its junk
+count moves its tokens to end at ``idx`` again and its junk past ``idx`` (the padding grows by
+as much), which is what ``BatchKVCache.finalize`` does for right-padded prompts: exact, and
+the other rows are untouched.
 
-Only targets whose every layer is a plain ``KVCache`` batch here: a sliding window ring or a
-recurrent state (GatedDeltaNet) would need a rollback of its own per row.
+GatedDeltaNet layers (Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids): an ``ArraysCache`` with one
+conv and one recurrent state per row. Rows are prefilled alone and joined, so no padding ever
+enters the recurrence ahead of a row's tokens; a verify's junk comes after them and is undone
+by tape replay (models/gdn_tape.py): each row's state is the state before the verify advanced
+by its own kept count, rows with the same count replayed together.
+
+Other cache kinds (sliding-window rings) do not batch: ``batch_refusal`` says why.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
+from ..models.gdn_tape import tape_layers
 from .cache import Snapshot, cache_leaves, snapshot_caches
 
 
 def batch_refusal(model: nn.Module) -> str | None:
     """Why MODEL's requests cannot share a batched forward; None: they can."""
-    kinds = sorted({type(c).__name__ for c in cache_leaves(make_prompt_cache(model)) if type(c) is not KVCache})
+    cache = make_prompt_cache(model)
+    kinds = sorted({type(c).__name__ for c in cache_leaves(cache) if type(c) not in (KVCache, ArraysCache)})
     if kinds:
-        return f"its cache has layers of kind {', '.join(kinds)} (batching rolls back plain KV caches only)"
+        return (f"its cache has layers of kind {', '.join(kinds)} (batching rolls back KV caches and "
+                "GatedDeltaNet states)")
+    if len(cache_leaves(cache)) != len(cache):
+        return "its cache nests caches per layer"
+    if any(type(c) is ArraysCache for c in cache) and tape_layers(model, cache) is None:
+        return "it has recurrent layers mlxspec cannot replay"
     return None
 
 
 def kv_bytes_per_token(model: nn.Module) -> int:
-    """Bytes one token takes in MODEL's cache (one token fed, the allocation divided out)."""
+    """Bytes one token takes in MODEL's KV caches (one token fed, the allocation divided out)."""
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([[0]], mx.uint32), cache=cache))
     total = 0
@@ -43,50 +55,98 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 
 
 class RaggedCache:
-    """Per layer a ``BatchKVCache``; rows join (their own prefilled caches), leave, and roll
-    back by their own amounts."""
+    """Per layer a ``BatchKVCache`` or a batched ``ArraysCache``; rows join (their own
+    prefilled caches), leave, and roll back by their own amounts."""
 
-    def __init__(self):
-        self.layers: list[BatchKVCache] | None = None
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers: list | None = None
+        self._gdn = None  # the taped GatedDeltaNet layers, in the order of the recurrent caches
+        self._recurrent: list[ArraysCache] = []
+        self._before: list[list] | None = None  # the recurrent caches' arrays before the forward
+        self._tapes: list | None = None
 
     @property
     def rows(self) -> int:
-        return 0 if self.layers is None else self.layers[0].offset.shape[0]
-
-    def join(self, row_cache: list[KVCache]) -> None:
-        """Append a row: ROW_CACHE is one request's prefilled per-layer cache (B = 1)."""
-        merged = [BatchKVCache.merge([c]) for c in row_cache]
         if self.layers is None:
-            self.layers = merged
+            return 0
+        kv = next((c for c in self.layers if isinstance(c, BatchKVCache)), None)
+        return kv.offset.shape[0] if kv is not None else self.layers[0].batch_size
+
+    def join(self, row_cache: list) -> None:
+        """Append a row: ROW_CACHE is one request's prefilled per-layer cache (B = 1)."""
+        new = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
+        if self.layers is None:
+            self.layers = new
+            self._recurrent = [c for c in new if isinstance(c, ArraysCache)]
+            if self._recurrent and self._gdn is None:
+                self._gdn = tape_layers(self.model, new)
             return
-        for layer, new in zip(self.layers, merged, strict=True):
-            layer.extend(new)
+        for layer, row in zip(self.layers, new, strict=True):
+            layer.extend(row)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ROWS (indices, in their new order); the rest leave."""
         if not rows:
-            self.layers = None
+            self.layers, self._recurrent = None, []
             return
         index = mx.array(rows, mx.int32)
         for layer in self.layers:
             layer.filter(index)
 
+    def forward(self, inputs: mx.array) -> mx.array:
+        """The model on INPUTS (B, W) over these caches: logits (B, W, V), the recurrent
+        layers taped so :meth:`rollback` can undo any tail of each row."""
+        self._before = [list(c.cache) for c in self._recurrent]
+        for c in self._recurrent:
+            c.record_tape = True
+        try:
+            logits = self.model(inputs, cache=self.layers)
+        finally:
+            self._tapes = [getattr(c, "tape", None) for c in self._recurrent]
+            for c in self._recurrent:
+                c.record_tape, c.tape = False, None
+        return logits
+
     def rollback(self, junk: list[int]) -> None:
-        """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens)."""
+        """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of
+        the last :meth:`forward`."""
         assert len(junk) == self.rows, (len(junk), self.rows)
+        kv = [c for c in self.layers if isinstance(c, BatchKVCache)]
         common = min(junk)
         if common:
-            for layer in self.layers:
+            for layer in kv:
                 layer.trim(common)
         rest = [j - common for j in junk]
         if any(rest):
-            for layer in self.layers:
+            for layer in kv:
                 layer.prepare(right_padding=rest)
                 layer.finalize()
+        if self._recurrent and any(junk):
+            self._replay(junk)
+
+    def _replay(self, junk: list[int]) -> None:
+        width = self._tapes[0].q.shape[1]
+        kept = [width - j for j in junk]
+        groups: dict[int, list[int]] = {}
+        for i, m in enumerate(kept):
+            groups.setdefault(m, []).append(i)
+        order = [i for m in groups for i in groups[m]]
+        back = mx.array(sorted(range(len(order)), key=order.__getitem__), mx.int32)  # rows' places
+        for gdn, c, before, tape in zip(self._gdn, self._recurrent, self._before, self._tapes):
+            state0 = before[1] if before[1] is not None else mx.zeros_like(c.cache[1])
+            convs, states = [], []
+            for m, rows in groups.items():
+                idx = mx.array(rows, mx.int32)
+                sub = type(tape)(*(x[idx] for x in (tape.conv_input, tape.q, tape.k, tape.v, tape.a, tape.b)))
+                conv, state = gdn.replay(sub, state0[idx], m)
+                convs.append(conv)
+                states.append(state)
+            c.cache = [mx.concatenate(convs)[back], mx.concatenate(states)[back]]
 
     def length(self, row: int) -> int:
         """Tokens row ROW holds."""
-        layer = self.layers[0]
+        layer = next(c for c in self.layers if isinstance(c, BatchKVCache))
         return layer.size() - int(layer.left_padding[row].item())
 
     def snapshot(self, row: int) -> Snapshot | None:
@@ -96,3 +156,10 @@ class RaggedCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.layers is None else sum(layer.nbytes for layer in self.layers)
+
+
+def _arrays_row(c: ArraysCache) -> ArraysCache:
+    """A prefilled recurrent cache as a batch of one (no padding: its mask stays None)."""
+    row = ArraysCache(len(c.cache))
+    row.cache = list(c.cache)
+    return row
