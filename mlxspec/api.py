@@ -33,7 +33,9 @@ from .options import (  # noqa: F401
 # the request and result types are the API's: importable from here as before
 from .request import Chunk, GenerationRequest, Result  # noqa: F401
 
-BATCH_DRAFTERS = ("pld", "none")  # drafters whose rows share a batched forward (engine/batch.py)
+# drafters whose rows share a batched forward (engine/batch.py); the assistant reads the
+# target's own cache and DFlash hooks its layers: served alone
+BATCH_DRAFTERS = ("pld", "none", "mtp", "draft")
 DRAFTER_PARTS = {"draft": "draft model", "mtp": "MTP head", "assistant": "Gemma-4 assistant"}
 
 

@@ -37,7 +37,7 @@ MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 IMPORTS = "import os\nimport sys\nimport os\nimport"
 LISTS = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"
 REVERSE = "Write a function that reverses a string."
-REQUESTS = [  # (prompt, options): pld and none, temperature 0 and seeded > 0, several lengths
+REQUESTS = [  # (prompt, options): every batched drafter, temperature 0 and seeded > 0, several lengths
     (IMPORTS, dict(drafter="pld", max_tokens=40)),
     (REVERSE, dict(drafter="none", max_tokens=25)),
     (REVERSE, dict(drafter="pld", temperature=0.8, seed=3, max_tokens=36)),
@@ -45,12 +45,15 @@ REQUESTS = [  # (prompt, options): pld and none, temperature 0 and seeded > 0, s
     (LISTS, dict(drafter="pld", temperature=0.5, top_k=20, seed=8, max_tokens=28)),
     ("Say hi.", dict(drafter="none", temperature=0.7, seed=11, max_tokens=12)),
     (LISTS, dict(drafter="pld", max_tokens=40)),
+    (IMPORTS, dict(drafter="mtp", max_tokens=40)),  # the MTP head reads its row's hidden states
+    (LISTS, dict(drafter="mtp", temperature=0.8, seed=13, max_tokens=30)),
+    (REVERSE, dict(drafter="draft", temperature=0.6, seed=17, max_tokens=30)),  # mini-attn's draft only
 ]
 
 
 @pytest.fixture(scope="module")
 def spec():
-    s = mlxspec.load(str(MODELS / "mini-attn"))
+    s = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-draft"))
     s.astype("float32")
     return s
 
@@ -62,10 +65,11 @@ def alone(spec):
 
 @pytest.fixture(scope="module")
 def hybrid():
-    """mini-hybrid: GatedDeltaNet layers, each row's recurrent state replayed by its own count."""
+    """mini-hybrid: GatedDeltaNet layers, each row's recurrent state replayed by its own count
+    (it has no draft model: its requests are the others)."""
     s = mlxspec.load(str(MODELS / "mini-hybrid"))
     s.astype("float32")
-    return s, [s.generate(p, reuse=False, **o).tokens for p, o in REQUESTS]
+    return s, [None if o["drafter"] == "draft" else s.generate(p, reuse=False, **o).tokens for p, o in REQUESTS]
 
 
 def common_junk_only(self, junk):
@@ -74,12 +78,12 @@ def common_junk_only(self, junk):
         layer.trim(min(junk))
 
 
-def run_schedule(spec, seed: int, max_rows: int = 4):
+def run_schedule(spec, seed: int, alone: list, max_rows: int = 4):
     """Requests join at random steps, a few are cancelled; returns (finished: index -> tokens,
     cancelled count, the most rows decoded together, junk lists of the rollbacks)."""
     rng = random.Random(seed)
     batch = spec.batch(max_rows)
-    queue = [rng.randrange(len(REQUESTS)) for _ in range(9)]
+    queue = [i for i in (rng.randrange(len(REQUESTS)) for _ in range(12)) if alone[i] is not None]
     live, finished, cancelled, most = [], [], 0, 0
     while queue or live:
         if queue and not batch.full and (not live or rng.random() < 0.4):
@@ -110,19 +114,19 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     real = batch_cache.RaggedCache.rollback
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
     done, cancelled, most = 0, 0, 0
-    for seed in range(3):
-        finished, c, m = run_schedule(spec, seed)
+    for seed in range(2):
+        finished, c, m = run_schedule(spec, seed, alone)
         for i, got in finished:
             assert got == alone[i], (seed, i)
         done, cancelled, most = done + len(finished), cancelled + c, max(most, m)
-    assert done >= 18 and cancelled >= 1 and most >= 3, (done, cancelled, most)
+    assert done >= 14 and cancelled >= 1 and most >= 3, (done, cancelled, most)
     # rows were rolled back by different amounts in one step (drafts rejected at different places)
-    assert sum(len(set(j)) > 1 for j in junks) >= 20
+    assert sum(len(set(j)) > 1 for j in junks) >= 20, junks
 
 
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
-    finished, _, _ = run_schedule(spec, 0)
+    finished, _, _ = run_schedule(spec, 0, alone)
     assert sum(got != alone[i] for i, got in finished) >= 2
 
 
@@ -130,7 +134,7 @@ def test_the_planted_shared_replay_count_is_caught(hybrid, monkeypatch):
     spec, alone = hybrid
     real = batch_cache.RaggedCache._replay
     monkeypatch.setattr(batch_cache.RaggedCache, "_replay", lambda self, junk: real(self, [junk[0]] * len(junk)))
-    finished, _, _ = run_schedule(spec, 0)
+    finished, _, _ = run_schedule(spec, 0, alone)
     assert sum(got != alone[i] for i, got in finished) >= 2
 
 
@@ -167,7 +171,9 @@ def test_a_long_prompt_joins_in_chunks_while_the_others_decode(spec):
 def test_refusals_name_why(spec):
     from mlxspec.api import GenerationRequest
 
-    assert spec.batch_plan(GenerationRequest(drafter="mtp"))[1] == "drafter mtp is served alone"
+    assert spec.batch_plan(GenerationRequest(drafter="mtp"))[0] is not None
+    dflash = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-attn-DFlash"))
+    assert dflash.batch_plan(GenerationRequest(drafter="dflash", tree=0))[1] == "drafter dflash is served alone"
     assert "served alone" in spec.batch_plan(GenerationRequest(logprobs=2))[1]
     gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
     plan, why = gemma.batch_plan(GenerationRequest(drafter="pld"))

@@ -29,6 +29,8 @@ BODIES = [
     # logprobs are served alone: it runs between the rows, the rest wait behind it
     {"prompt": "Say hi.", "max_tokens": 12, "temperature": 0, "logprobs": 2, "speculation": PLD},
     {"prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0.5, "seed": 9, "speculation": PLD},
+    {"prompt": "import os\nimport sys\nimport", "max_tokens": 30, "temperature": 0.6, "seed": 21,
+     "speculation": {"drafter": "mtp"}},
 ]
 
 

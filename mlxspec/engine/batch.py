@@ -15,8 +15,10 @@ Each row runs exactly what the single-request loop runs for it (speculate.py): t
 gate decisions, the same draws from its own random stream in the same order (``sample`` for
 a plain step, ``accept`` for a verify, on the row's own rows of the logits), so a row's
 tokens are those of its request served alone, at any temperature, whatever its neighbours
-do. Drafters: prompt lookup, or none (a model drafter keeps per-request model state; such
-requests are served alone, see ``SpecModel.batch_refusal``).
+do. Drafters: prompt lookup, none, an MTP head and a draft model: each row has its own
+drafter instance (its own head or draft-model cache, B = 1; an MTP head gets its row of the
+batched forward's hidden states). The Gemma-4 assistant (it reads the target's own cache) and
+DFlash (it hooks the target's layers) are served alone (``SpecModel.batch_plan``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .cache import ModelState
 from .drafters.base import Drafter
 from .drafters.pld import repetition_score
 from .emit import Output
-from .gates import CostModel, ShadowDrafts, SpeculationGate, stays_plain
+from .gates import CostModel, ShadowDrafts, SpeculationGate, probe, stays_plain
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams, accept
 from .stats import Stats
@@ -65,6 +67,7 @@ class Row:
         self.output = output
         self.stats = output.stats
         self.drafter = plan.drafter
+        self.needs_hidden = self.drafter is not None and self.drafter.needs_hidden
         self.prefix_cache = prefix_cache
         self.checkpoints = checkpoints
         self.gate = self.shadow = None
@@ -116,19 +119,29 @@ class Row:
         k = min(self.gate.depth(), remaining - 1)
         self._sync_gate()
         if k <= 0:
+            if probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
+                self.stats.probes += 1
             return [], None
         draft = self.drafter.propose(self.tokens, k, self.sampling)
         if draft is None or not len(draft):
             return [], None
         return draft.host_tokens(), draft
 
+    def store(self, tokens: list[int], snap) -> None:
+        """Keep SNAP (the target's cache over TOKENS) and this row's drafter state with it."""
+        d = self.drafter
+        self.prefix_cache.store(tokens, snap, d.name if d else None, d.snapshot() if d else None)
+
     def _sync_gate(self) -> None:
         for on, reason in self.gate.events:
             self.stats.record_gate(on, reason)
         self.gate.events.clear()
 
-    def commit(self, new: list[int], drafted: int, accepted: int) -> None:
-        """NEW tokens follow (ACCEPTED of DRAFTED drafts, then the target's own)."""
+    def commit(self, new: list[int], drafted: int, accepted: int, hidden: mx.array | None) -> None:
+        """NEW tokens follow (ACCEPTED of DRAFTED drafts, then the target's own); HIDDEN: the
+        target's rows of this step's kept positions, for a drafter that reads them."""
+        if self.needs_hidden:
+            self.drafter.add_hidden(hidden)
         self.queued_plain = not drafted and self.output.remaining > 1 and stays_plain(
             self.drafter, self.gate, self.tokens)
         self.tokens.extend(new)
@@ -199,7 +212,7 @@ class BatchedDecoder:
         if row.prefix_cache is not None and row.error is None:
             snap = self.cache.snapshot(i)
             if snap is not None:
-                row.prefix_cache.store(row.tokens[: snap.length], snap)
+                row.store(row.tokens[: snap.length], snap)
         self.rows.pop(i)
         self.cache.keep([j for j in range(len(self.rows) + 1) if j != i])
 
@@ -227,24 +240,31 @@ class BatchedDecoder:
     def _prefill(self, row: Row) -> Iterator[None]:
         """Restore the longest cached prefix, feed the rest (but the last token) a chunk per
         next(), storing at the row's checkpoints."""
-        prompt, end = row.tokens, len(row.tokens) - 1
-        row.state = state = ModelState(self.model)
-        at = 0
+        prompt, end, drafter = row.tokens, len(row.tokens) - 1, row.drafter
+        row.state = state = ModelState(self.model, keep_hidden=row.needs_hidden)
+        at, resume = 0, None
         found = row.prefix_cache.lookup(prompt, end) if row.prefix_cache is not None else None
-        if found is not None and found[1] > 0:
+        if found is not None:  # as the single-request loop restores it (speculate.py)
             entry, at = found
-            state.restore(entry.target, at)
+            if drafter is not None:
+                resume = entry.drafters.get(drafter.name)
+                at = drafter.resume_point(resume, at)
+            if at > 0:
+                state.restore(entry.target, at)
+        if drafter is not None:
+            drafter.start(prompt, resume if at else None, at)
         row.stats.cached_tokens = at
         for point in sorted({p for p in row.checkpoints if at < p < end} | {end}):
             while state.length < point:
                 n = min(self.prefill_step, point - state.length)
-                state.prefill(prompt[state.length : state.length + n], step=n)
+                hidden = state.prefill(prompt[state.length : state.length + n], step=n)
+                if drafter is not None:
+                    drafter.prefill(prompt, state.length, hidden)
                 yield
             if row.prefix_cache is not None and state.length > at:
-                row.prefix_cache.store(prompt[: state.length], state.snapshot())
-        if row.drafter is not None:
-            row.drafter.start(prompt)
-            if not row.drafter.uses_model:
+                row.store(prompt[: state.length], state.snapshot())
+        if drafter is not None:
+            if not drafter.uses_model:
                 row.gate.prompt_check(repetition_score(prompt))
             row._sync_gate()
 
@@ -259,7 +279,8 @@ class BatchedDecoder:
         plans = [r.plan_draft() for r in rows]
         width = 1 + max(len(p[0]) for p in plans)
         inputs = [[r.tokens[-1], *host] + [PAD] * (width - 1 - len(host)) for r, (host, _) in zip(rows, plans)]
-        logits = self.cache.forward(mx.array(inputs, mx.uint32))  # (B, W, V)
+        hidden = any(r.needs_hidden for r in rows)
+        logits, h = self.cache.forward(mx.array(inputs, mx.uint32), hidden)  # (B, W, V), (B, W, H)
         assert logits.shape[:2] == (len(rows), width), logits.shape
         results = []
         for i, (r, (host, draft)) in enumerate(zip(rows, plans)):
@@ -271,10 +292,10 @@ class BatchedDecoder:
                 results.append(accept(r.sampling, lp, draft.tokens, draft.logprobs))
         mx.eval(results)
         junk = []
-        for r, (host, _), (n_acc, out) in zip(rows, plans, results):
+        for i, (r, (host, _), (n_acc, out)) in enumerate(zip(rows, plans, results)):
             n = n_acc.item()
             junk.append(width - 1 - n)
-            r.commit(host[:n] + [out[n].item()], len(host), n)
+            r.commit(host[:n] + [out[n].item()], len(host), n, h[i, : n + 1] if r.needs_hidden else None)
         self.cache.rollback(junk)
         self.steps += 1
         self.row_steps += len(rows)

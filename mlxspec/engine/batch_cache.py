@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from ..models.gdn_tape import tape_layers
+from ..models.trunk import split_trunk
 from .cache import Snapshot, cache_leaves, snapshot_caches
 
 
@@ -65,6 +66,7 @@ class RaggedCache:
         self._recurrent: list[ArraysCache] = []
         self._before: list[list] | None = None  # the recurrent caches' arrays before the forward
         self._tapes: list | None = None
+        self._trunk = None  # body and head apart, for drafters that read hidden states
 
     @property
     def rows(self) -> int:
@@ -94,19 +96,27 @@ class RaggedCache:
         for layer in self.layers:
             layer.filter(index)
 
-    def forward(self, inputs: mx.array) -> mx.array:
-        """The model on INPUTS (B, W) over these caches: logits (B, W, V), the recurrent
-        layers taped so :meth:`rollback` can undo any tail of each row."""
+    def forward(self, inputs: mx.array, hidden: bool = False) -> tuple[mx.array, mx.array | None]:
+        """The model on INPUTS (B, W) over these caches: logits (B, W, V) and with HIDDEN the
+        final-norm hidden states (B, W, H); the recurrent layers taped so :meth:`rollback`
+        can undo any tail of each row."""
         self._before = [list(c.cache) for c in self._recurrent]
         for c in self._recurrent:
             c.record_tape = True
+        h = None
         try:
-            logits = self.model(inputs, cache=self.layers)
+            if hidden:
+                if self._trunk is None:
+                    self._trunk = split_trunk(self.model)
+                h = self._trunk.body(inputs, cache=self.layers)
+                logits = self._trunk.head(h)
+            else:
+                logits = self.model(inputs, cache=self.layers)
         finally:
             self._tapes = [getattr(c, "tape", None) for c in self._recurrent]
             for c in self._recurrent:
                 c.record_tape, c.tape = False, None
-        return logits
+        return logits, h
 
     def rollback(self, junk: list[int]) -> None:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of

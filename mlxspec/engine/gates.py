@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .drafters.base import Drafter
+from .drafters.base import GREEDY, Drafter
 
 
 @dataclass
@@ -247,6 +247,20 @@ def stays_plain(drafter: Drafter | None, gate: SpeculationGate | None, tokens: l
     if drafter is None or not gate.would_draft():
         return True
     return not drafter.uses_model and not drafter.lookup(tokens, 1)
+
+
+def probe(drafter: Drafter, shadow: ShadowDrafts, tokens: list[int], k: int) -> bool:
+    """A model drafter's greedy proposal of K tokens (no random draw taken) offered to SHADOW,
+    to be checked against the plain tokens that follow instead of verified: gate evidence for
+    one drafter forward. Whether one was offered."""
+    if k <= 0:
+        return False
+    draft = drafter.propose(tokens, k, GREEDY)
+    drafter.rollback(len(tokens) - 1)  # nothing of it is fed to the target
+    if draft is None or not len(draft):
+        return False
+    shadow.offer(tokens, draft.host_tokens())
+    return True
 
 
 class ShadowDrafts:

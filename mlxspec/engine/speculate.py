@@ -19,11 +19,11 @@ from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
 from .cache import ModelState
 from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
-from .drafters.base import GREEDY, Draft, Drafter
+from .drafters.base import Draft, Drafter
 from .drafters.pld import repetition_score
 from .drafters.registry import make_drafter
 from .emit import Output
-from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate, stays_plain
+from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate, probe, stays_plain
 from .logprobs import TokenLogprob, token_logprobs
 from .penalties import Penalties
 from .prefix_cache import PrefixCache
@@ -320,12 +320,7 @@ class _Run:
     def _probe(self, k: int) -> None:
         """A model drafter's greedy proposal (no random draw taken), checked against the plain
         tokens that follow instead of verified: gate evidence for one drafter forward."""
-        if k <= 0:
-            return
-        draft = self.drafter.propose(self.tokens, k, GREEDY)
-        self.drafter.rollback(len(self.tokens) - 1)  # nothing of it is fed to the target
-        if draft is not None and len(draft):
-            self.shadow.offer(self.tokens, draft.host_tokens())
+        if probe(self.drafter, self.shadow, self.tokens, k):
             self.stats.probes += 1
 
     def _tree(self, k: int) -> list[int] | None:
