@@ -120,6 +120,6 @@ def test_max_batch_flag_default_and_banner(spec, monkeypatch):
     assert rows >= 1 and "default:" in note
     assert serve._max_batch(spec, 3) == (3, "up to 3 requests decode together (--max-batch); prompt lookup "
                                             "and no drafter batch, other drafters run alone")
-    hybrid = mlxspec.load(str(MODELS / "mini-hybrid"))
-    rows, note = serve._max_batch(hybrid, 4)
-    assert rows == 1 and "cannot batch" in note and "ArraysCache" in note
+    gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
+    rows, note = serve._max_batch(gemma, 4)
+    assert rows == 1 and "cannot batch" in note and "RotatingKVCache" in note
