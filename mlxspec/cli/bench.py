@@ -217,6 +217,10 @@ DrafterOption = Annotated[Optional[str], typer.Option(
     "--drafter", metavar="NAME", show_default=False,
     help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, auto, draft / "
          "assistant / dflash (with --draft-model: a draft model, Gemma-4 assistant, DFlash drafter).")]
+ConcurrencyOption = Annotated[Optional[str], typer.Option(
+    "--concurrency", metavar="LIST", show_default=False,
+    help="Requests at once, e.g. 1,2,4,8: mlxspec's batch against mlxspec serial and mlx-lm's batched "
+         "decoding (no speculation) on MODEL, --workloads' prompts (default echo), --drafter (default auto).")]
 RealShapesOption = Annotated[Optional[str], typer.Option(
     "--real-shapes", metavar="SHAPES", show_default=False,
     help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
@@ -268,6 +272,7 @@ def bench(
     prompt_tokens: PromptTokensOption = 512,
     depths: DepthsOption = "1,2,3,4,5,6,7,8",
     kernels_off: KernelsOffOption = False,
+    concurrency: ConcurrencyOption = None,
 ) -> None:
     with user_errors():
         if from_json:
@@ -281,6 +286,14 @@ def bench(
             from ..bench.report import check_matplotlib
 
             check_matplotlib()  # before minutes of measuring, not after
+        if concurrency is not None:
+            _check(not chat and sweep is None and real_shapes is None,
+                   "--concurrency is a benchmark of its own: give no --chat, --sweep or --real-shapes")
+            from .bench_concurrency import run_concurrency
+
+            run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(), workloads,
+                            prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress)
+            return
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
                       "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}
         given = [flag for flag, value in chat_flags.items() if value is not None]

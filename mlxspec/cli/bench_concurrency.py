@@ -1,0 +1,42 @@
+"""``mlxspec bench --concurrency``: loading, prompts and output for bench/concurrency.py."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import UsageError
+from .console import load_with_spinner, print_note, stdout_console
+
+
+def run_concurrency(model: Optional[str], draft_model: Optional[str], dtype: Optional[str], levels_text: str,
+                    workloads_dir, workloads: Optional[str], prompts: Optional[int], max_tokens: Optional[int],
+                    reps: Optional[int], drafter: Optional[str], temperature: float, seed: int,
+                    json_path: Optional[str], progress) -> None:
+    """PROGRESS: bench's progress context (on_step)."""
+    from ..bench.concurrency import measure, parse_levels, render
+    from ..bench.prompts import load_workloads, parse_list
+    from ..bench.report import write_json
+    from ..hub import expand_alias
+    from ..options import DRAFTERS
+
+    levels = parse_levels(levels_text)
+    drafter = drafter or "auto"
+    if drafter not in DRAFTERS:
+        raise UsageError(f"--drafter must be one of {', '.join(DRAFTERS)} (got {drafter!r})")
+    sets = load_workloads(workloads_dir, parse_list(workloads, "workloads") or ["echo"], prompts, max_tokens)
+    spec = load_with_spinner(expand_alias(model) if model else None, expand_alias(draft_model))
+    if dtype is not None:
+        spec.astype(dtype)
+    from ..api import GenerationRequest
+
+    _, why = spec.batch_plan(GenerationRequest(drafter=drafter, temperature=temperature))
+    if why:
+        raise UsageError(f"--concurrency: {why}")
+    requests = [(spec.encode(p.text), p.max_tokens) for w in sets for p in w.prompts]
+    with progress("bench") as on_step:
+        doc = measure(spec, requests, levels, drafter=drafter, reps=reps or 3, temperature=temperature,
+                      seed=seed, on_step=on_step)
+    render(doc, stdout_console())
+    if json_path:
+        write_json(doc, json_path)
+        print_note(f"wrote {json_path}")
