@@ -28,7 +28,7 @@ def test_cli_runs_every_engine_at_each_concurrency(tmp_path):
         assert batched["tokens"] == cells[(n, "mlxspec serial")]["tokens"] > 0
         assert len(batched["vs_serial_iqr"]) == 2 and batched["vs_serial"] > 0
         assert batched["aggregate_tps"] > 0 and batched["per_request_tps"] > 0
-    assert "mlxspec batched" in result.output and "identical" in result.output
+    assert "requests at once" in result.output and "identical" in result.output
 
 
 @pytest.mark.parametrize("flags, message", [
