@@ -35,7 +35,7 @@ def test_cli_runs_every_engine_at_each_concurrency(tmp_path):
     (["--concurrency", "0"], "--concurrency must be a comma-separated list"),
     (["--concurrency", "2,x"], "--concurrency must be a comma-separated list"),
     (["--concurrency", "2", "--chat"], "--concurrency is a benchmark of its own"),
-    (["--concurrency", "2", "--drafter", "dflash"], "--concurrency: drafter"),
+    (["--concurrency", "2", "--drafter", "dflash"], "--drafter dflash needs --draft-model"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):
     result = CliRunner().invoke(cli.app, ["bench", *flags])
