@@ -75,6 +75,9 @@ def test_concurrent_requests_decode_together_each_as_alone(spec, alone):
     assert _metric(metrics, "mlxspec_batch_max_rows") == 4
     steps, rows = _metric(metrics, "mlxspec_batch_steps_total"), _metric(metrics, "mlxspec_batch_row_steps_total")
     assert steps > 0 and rows / steps > 1.5, (steps, rows)  # several rows a forward, on average
+    per_request = _metric(metrics, "mlxspec_request_decode_tokens_total") / _metric(
+        metrics, "mlxspec_request_decode_seconds_total")
+    assert per_request > 0
 
 
 def test_a_client_that_leaves_frees_its_row(spec, alone):

@@ -83,7 +83,9 @@ def parse(text: str) -> dict[str, dict[frozenset, float]]:
             value = float(line[i + 1:])
             key = frozenset(labels.items())
             assert key not in out.setdefault(name, {}), f"{name}{labels} twice"
-            assert types[name] == "gauge" or (value >= 0 and value == int(value)), line
+            # counters count (whole numbers), except a *_seconds_total, which sums durations
+            whole = value == int(value) or name.endswith("_seconds_total")
+            assert types[name] == "gauge" or (value >= 0 and whole), line
             out[name][key] = value
     return out
 

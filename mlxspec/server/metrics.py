@@ -64,6 +64,9 @@ class Metrics:
         self.requests: dict[tuple[str, int], int] = {}
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.verify_steps = self.plain_steps = self.queued_used = self.queued_dropped = 0
+        # each request's tokens after its first, and the seconds they took: their rates' ratio
+        # is the tok/s one request sees (a batch row's, or a request's alone)
+        self.decode_tokens, self.decode_seconds = 0, 0.0
         self.drafters: dict[str, DrafterCounts] = {}  # drafted and accepted are their sums
 
     @property
@@ -86,6 +89,9 @@ class Metrics:
         self.plain_steps += stats.plain_steps
         self.queued_used += stats.queued_used
         self.queued_dropped += stats.queued_dropped
+        if stats.generated_tokens > 1:
+            self.decode_tokens += stats.generated_tokens - 1
+            self.decode_seconds += stats.decode_time_s
         if stats.verify_steps:
             self.drafters.setdefault(stats.drafter, DrafterCounts()).add(stats)
 
@@ -101,6 +107,11 @@ class Metrics:
             ("verify_steps_total", self.verify_steps,
              "Target forwards that verified at least one drafted token."),
             ("plain_steps_total", self.plain_steps, "Target forwards that decoded one token with nothing drafted."),
+            ("request_decode_tokens_total", self.decode_tokens,
+             "Tokens each request generated after its first, summed (over request_decode_seconds_total: "
+             "the tok/s one request sees)."),
+            ("request_decode_seconds_total", round(self.decode_seconds, 6),
+             "Seconds from each request's first token to its last, summed."),
         ):
             lines += family(f"mlxspec_{name}", "counter", what, [("", value)])
         lines += family("mlxspec_queued_verifies_total", "counter",
