@@ -16,7 +16,8 @@ from mlxspec.errors import UsageError
 def test_cli_runs_every_engine_at_each_concurrency(tmp_path):
     out = tmp_path / "c.json"
     result = CliRunner().invoke(cli.app, ["bench", "--concurrency", "1,3", "--prompts", "2", "--max-tokens", "12",
-                                          "--reps", "2", "--temp", "0", "--json", str(out)])
+                                          "--reps", "2", "--temp", "0", "--join-tokens", "1100",
+                                          "--json", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "concurrency" and doc["levels"] == [1, 3] and doc["reps"] == 2
@@ -29,12 +30,15 @@ def test_cli_runs_every_engine_at_each_concurrency(tmp_path):
         assert len(batched["vs_serial_iqr"]) == 2 and batched["vs_serial"] > 0
         assert batched["aggregate_tps"] > 0 and batched["per_request_tps"] > 0
     assert "requests at once" in result.output and "identical" in result.output
+    join = doc["join"]  # the running request got a token between every prefill chunk of the joiner
+    assert join["join_tokens"] == 1100 and join["steps"] >= 2 and join["worst_gap_ms"] >= join["gap_ms_during"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--concurrency", "0"], "--concurrency must be a comma-separated list"),
     (["--concurrency", "2,x"], "--concurrency must be a comma-separated list"),
     (["--concurrency", "2", "--chat"], "--concurrency is a benchmark of its own"),
+    (["--join-tokens", "100"], "--join-tokens needs --concurrency"),
     (["--concurrency", "2", "--drafter", "dflash"], "--drafter dflash needs --draft-model"),
 ])
 def test_bad_flags_are_one_line_errors(flags, message):

@@ -100,6 +100,40 @@ def run_mlx_lm(spec, requests: list[tuple[list[int], int]], temperature: float, 
     return Run(tokens, seconds, [seconds] * len(tokens))  # it returns all at the end
 
 
+def join_gaps(spec, running: list[int], join_tokens: int, drafter: str, max_tokens: int = 10_000) -> dict:
+    """A request decodes while a JOIN_TOKENS-token prompt joins the batch: the gaps between the
+    running request's chunks (ms) before the join, while the new prompt prefills (a chunk a
+    step), and the worst. The joining request is cancelled once its first token is out."""
+    batch = spec.batch(2)
+    stream = spec.stream_in(batch, running, drafter=drafter, max_tokens=max_tokens, reuse=False)
+    gaps_before, gaps_during = [], []
+    last = time.perf_counter()
+    for _ in range(8):
+        if next(stream, None) is None:
+            raise UsageError("--join-tokens: the running request ended before the join (give a larger "
+                             "--max-tokens or another workload)")
+        now = time.perf_counter()
+        gaps_before.append(now - last)
+        last = now
+    vocab = spec.target.vocab_size or 1000
+    prompt = [(7 * i + 11) % vocab for i in range(join_tokens)]
+    joining = spec.stream_in(batch, prompt, raw=True, drafter=drafter, max_tokens=2, reuse=False)
+    while batch.joining:
+        next(joining)  # one prefill chunk and the running row's decode step
+        if next(stream, None) is None:
+            break
+        now = time.perf_counter()
+        gaps_during.append(now - last)
+        last = now
+    joining.close()
+    stream.close()
+    ms = [1000 * g for g in gaps_during]
+    return {"join_tokens": join_tokens, "prefill_step": batch.prefill_step, "steps": len(ms),
+            "gap_ms_before": round(1000 * statistics.median(gaps_before[1:]), 2),
+            "gap_ms_during": round(statistics.median(ms), 2) if ms else None,
+            "worst_gap_ms": round(max(ms), 2) if ms else None}
+
+
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     if len(xs) == 1:
         return xs[0], xs[0], xs[0]
@@ -108,7 +142,8 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def measure(spec, prompts: list[tuple[list[int], int]], levels: list[int], *, drafter: str = "auto",
-            reps: int = 3, temperature: float = 0.0, seed: int = 0, on_step=None) -> dict:
+            reps: int = 3, temperature: float = 0.0, seed: int = 0, join_tokens: int | None = None,
+            on_step=None) -> dict:
     """The JSON document of the concurrency benchmark (see the module's docstring)."""
     cells = []
     total = len(levels) * reps * len(ENGINES)
@@ -146,8 +181,13 @@ def measure(spec, prompts: list[tuple[list[int], int]], levels: list[int], *, dr
             if engine == "mlxspec batched":
                 cell["identical"] = identical
             cells.append(cell)
-    return {"benchmark": "concurrency", "model": spec.name, "drafter": drafter, "temperature": temperature,
-            "reps": reps, "levels": levels, "device": str(mx.default_device()), "cells": cells}
+    doc = {"benchmark": "concurrency", "model": spec.name, "drafter": drafter, "temperature": temperature,
+           "reps": reps, "levels": levels, "device": str(mx.default_device()), "cells": cells}
+    if join_tokens:
+        if on_step:
+            on_step(f"a {join_tokens}-token prompt joins", total, total)
+        doc["join"] = join_gaps(spec, prompts[0][0], join_tokens, drafter)
+    return doc
 
 
 def render(doc: dict, console) -> None:
@@ -166,3 +206,8 @@ def render(doc: dict, console) -> None:
                       ratio("vs_serial"), ratio("vs_mlx_lm_batched"),
                       "-" if identical is None else "yes" if identical else "NO")
     console.print(table)
+    j = doc.get("join")
+    if j:
+        console.print(f"a {j['join_tokens']}-token prompt joining ({j['steps']} prefill chunks of "
+                      f"{j['prefill_step']}): the running request's gap between chunks {j['gap_ms_before']} ms before, "
+                      f"median {j['gap_ms_during']} ms and worst {j['worst_gap_ms']} ms during")

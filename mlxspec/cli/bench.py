@@ -221,6 +221,9 @@ ConcurrencyOption = Annotated[Optional[str], typer.Option(
     "--concurrency", metavar="LIST", show_default=False,
     help="Requests at once, e.g. 1,2,4,8: mlxspec's batch against mlxspec serial and mlx-lm's batched "
          "decoding (no speculation) on MODEL, --workloads' prompts (default echo), --drafter (default auto).")]
+JoinTokensOption = Annotated[Optional[int], typer.Option(
+    "--join-tokens", metavar="N", show_default=False,
+    help="With --concurrency: also time a request's gaps while an N-token prompt joins its batch.")]
 RealShapesOption = Annotated[Optional[str], typer.Option(
     "--real-shapes", metavar="SHAPES", show_default=False,
     help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
@@ -273,6 +276,7 @@ def bench(
     depths: DepthsOption = "1,2,3,4,5,6,7,8",
     kernels_off: KernelsOffOption = False,
     concurrency: ConcurrencyOption = None,
+    join_tokens: JoinTokensOption = None,
 ) -> None:
     with user_errors():
         if from_json:
@@ -286,13 +290,15 @@ def bench(
             from ..bench.report import check_matplotlib
 
             check_matplotlib()  # before minutes of measuring, not after
+        _check(join_tokens is None or (concurrency is not None and join_tokens >= 1),
+               "--join-tokens needs --concurrency and a count of at least 1")
         if concurrency is not None:
             _check(not chat and sweep is None and real_shapes is None,
                    "--concurrency is a benchmark of its own: give no --chat, --sweep or --real-shapes")
             from .bench_concurrency import run_concurrency
 
             run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(), workloads,
-                            prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress)
+                            prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress, join_tokens)
             return
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
                       "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}

@@ -11,7 +11,7 @@ from .console import load_with_spinner, print_note, stdout_console
 def run_concurrency(model: Optional[str], draft_model: Optional[str], dtype: Optional[str], levels_text: str,
                     workloads_dir, workloads: Optional[str], prompts: Optional[int], max_tokens: Optional[int],
                     reps: Optional[int], drafter: Optional[str], temperature: float, seed: int,
-                    json_path: Optional[str], progress) -> None:
+                    json_path: Optional[str], progress, join_tokens: Optional[int] = None) -> None:
     """PROGRESS: bench's progress context (on_step)."""
     from ..bench.concurrency import measure, parse_levels, render
     from ..bench.prompts import load_workloads, parse_list
@@ -35,7 +35,7 @@ def run_concurrency(model: Optional[str], draft_model: Optional[str], dtype: Opt
     requests = [(spec.encode(p.text), p.max_tokens) for w in sets for p in w.prompts]
     with progress("bench") as on_step:
         doc = measure(spec, requests, levels, drafter=drafter, reps=reps or 3, temperature=temperature,
-                      seed=seed, on_step=on_step)
+                      seed=seed, join_tokens=join_tokens, on_step=on_step)
     render(doc, stdout_console())
     if json_path:
         write_json(doc, json_path)
