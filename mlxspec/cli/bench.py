@@ -3,15 +3,51 @@
 import contextlib
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
-
-import typer
+from typing import Optional
 
 from ..errors import UsageError
 from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, check_values
 from .app import app
+from .bench_concurrency import run_concurrency
+from .bench_options import (
+    DEFAULT_DRAFT,
+    DEFAULT_MODEL,
+    BitsOption,
+    ChatContextOption,
+    ChatOption,
+    ChatShapesOption,
+    ChatTurnsOption,
+    ChatUserTokensOption,
+    ConcurrencyOption,
+    DepthOption,
+    DepthsOption,
+    DraftDepthOption,
+    DrafterOption,
+    DraftModelOption,
+    DtypeOption,
+    EnginesOption,
+    FromJsonOption,
+    GatesOption,
+    JoinTokensOption,
+    JsonPathOption,
+    KernelsOffOption,
+    MaxTokensOption,
+    ModelArgument,
+    PngPathOption,
+    PromptsOption,
+    PromptTokensOption,
+    RealShapesOption,
+    RepsOption,
+    SeedOption,
+    SweepContextOption,
+    SweepOption,
+    SweepTokensOption,
+    TemperatureOption,
+    TempPassOption,
+    WorkloadsDirOption,
+    WorkloadsOption,
+)
 from .console import (
-    complete_model,
     help_text,
     load_with_spinner,
     print_note,
@@ -19,9 +55,6 @@ from .console import (
     stdout_console,
     user_errors,
 )
-
-DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
-DEFAULT_DRAFT = Path("benchmarks/models/mini-draft")
 
 
 def builtin_workloads(package: Path = Path(__file__).resolve().parents[1]) -> Path:
@@ -121,126 +154,6 @@ def _outputs(docs, json_path, png_path) -> None:
         print_note(f"wrote {png_path}")
 
 
-# each option's declaration, so that the command's signature reads as a list of names
-ModelArgument = Annotated[Optional[str], typer.Argument(
-    metavar="MODEL", show_default=False, autocompletion=complete_model,
-    help=f"Target model: local folder or cached Hugging Face repo id (default: {DEFAULT_MODEL}, "
-         "if that folder exists here).")]
-DraftModelOption = Annotated[Optional[str], typer.Option(
-    "--draft-model", metavar="PATH_OR_REPO", show_default=False,
-    help=f"Draft model sharing MODEL's tokenizer, for mlx-lm-draft and mlxspec-draft (default: "
-         f"{DEFAULT_DRAFT} when MODEL is the default and that folder exists).")]
-WorkloadsDirOption = Annotated[Optional[str], typer.Option("--workloads-dir", metavar="DIR", show_default=False,
-                              help="Folder of NAME.jsonl prompt sets. \\[default: the built-in sets]")]
-WorkloadsOption = Annotated[Optional[str], typer.Option(
-    "--workloads", metavar="NAMES", show_default=False,
-    help="Comma-separated workload names, e.g. echo,fim (default: every .jsonl in DIR; fim: see above).")]
-PromptsOption = Annotated[Optional[int], typer.Option(
-    "--prompts", metavar="N", show_default=False,
-    help="Use only the first N prompts of each workload (default: all).")]
-MaxTokensOption = Annotated[Optional[int], typer.Option(
-    "--max-tokens", metavar="N", show_default=False,
-    help="Tokens to generate per prompt, replacing each prompt's own max_tokens.")]
-EnginesOption = Annotated[Optional[str], typer.Option(
-    "--engines", metavar="NAMES", show_default=False,
-    help="Comma-separated subset of mlx-lm, mlx-lm-draft, mlxspec-none, mlxspec-pld, "
-         "mlxspec-draft, mlxspec-mtp, mlxspec-assistant, mlxspec-auto (default: all; mlx-lm always runs).")]
-RepsOption = Annotated[Optional[int], typer.Option(
-    "--reps", metavar="N", show_default=False,
-    help="Repetitions, of which the median is reported (default 3; with --sweep: timed "
-         "forwards per width, default 5).")]
-DraftDepthOption = Annotated[int, typer.Option(
-    "--draft-depth", metavar="K", help="Tokens mlx-lm-draft drafts per step (num_draft_tokens).")]
-DepthOption = Annotated[Optional[int], typer.Option(
-    "--depth", metavar="K", show_default=False,
-    help="Fixed draft depth for the mlxspec engines (default: each engine chooses, as in `run`).")]
-GatesOption = Annotated[bool, typer.Option(
-    "--gates/--no-gates", help="Let the mlxspec engines switch speculation off where it does not "
-                               "pay (as `run` does); --no-gates drafts at every step, to see "
-                               "the drafters' acceptance apart from the gates' decisions.")]
-TemperatureOption = Annotated[float, typer.Option(
-    *FLAGS["temperature"], metavar="T", help="Temperature of the second (sampling) pass (--temp or --temperature).")]
-TempPassOption = Annotated[bool, typer.Option(
-    "--temp-pass/--no-temp-pass", help="Run the second pass at --temp (mlx-lm and the "
-                                       "engines that draft), after the temperature-0 pass.")]
-SeedOption = Annotated[int, typer.Option(
-    "--seed", help="Seed of the sampling pass: prompt i of every engine starts from seed + i.")]
-JsonPathOption = Annotated[Optional[str], typer.Option(
-    "--json", metavar="PATH", show_default=False,
-    help="Write every raw number (per prompt and repetition), the medians, the environment "
-         "(versions, device, models) and the command line to PATH.")]
-PngPathOption = Annotated[Optional[str], typer.Option(
-    "--png", metavar="PATH", show_default=False,
-    help='Draw a bar chart of the speedups (a line chart for --sweep) to PATH; needs '
-         'matplotlib (pip install "mlxspec\\[bench]").')]
-FromJsonOption = Annotated[Optional[list[str]], typer.Option(
-    "--from-json", metavar="PATH", show_default=False,
-    help="Run nothing: print the tables of saved --json results (repeatable; --png draws "
-         "them all in one chart).")]
-SweepOption = Annotated[Optional[str], typer.Option(
-    "--sweep", metavar="SHAPES", show_default=False,
-    help="Instead of the engines: time forwards of 1..--sweep-tokens tokens over a warm cache "
-         "on random weights shaped like these (comma-separated): qwen3-0.6b, qwen3-1.7b, "
-         "qwen3-8b, qwen3.5-9b-like, qwen3.6-27b, or smoke / smoke-hybrid (tiny); 'all' is "
-         "qwen3-1.7b,qwen3-8b,qwen3.5-9b-like,qwen3.6-27b.")]
-BitsOption = Annotated[int, typer.Option(
-    "--bits", help="Sweep: quantize the random weights to this many bits (0: bf16).")]
-SweepTokensOption = Annotated[int, typer.Option(
-    "--sweep-tokens", metavar="N", help="Sweep: the largest forward, in tokens.")]
-DtypeOption = Annotated[Optional[str], typer.Option(
-    "--dtype", metavar="DTYPE",
-    help="Cast the loaded models (and MTP head) to float32, bfloat16 or float16 before "
-         "measuring (default: as stored). float32 makes the identity column meaningful on "
-         "backends whose bf16 kernels do not repeat bit for bit.")]
-SweepContextOption = Annotated[int, typer.Option(
-    "--sweep-context", metavar="N", help="Sweep: tokens in the cache at the start (each "
-                                         "forward keeps one token, so every call meets a new "
-                                         "key length, as in generation).")]
-ChatOption = Annotated[bool, typer.Option(
-    "--chat", help="Instead of the engines: time to first token on each turn of a growing "
-                   "chat, with and without prefix reuse, and mlx-lm's (see above).")]
-ChatShapesOption = Annotated[Optional[str], typer.Option(
-    "--chat-shapes", metavar="SHAPES", show_default=False,
-    help="Chat: instead of MODEL, random-weight models of these shapes (comma-separated, as "
-         "for --sweep, quantized to --bits), one at a time.")]
-ChatTurnsOption = Annotated[Optional[int], typer.Option(
-    "--chat-turns", metavar="N", show_default=False, help="Chat: turns (default 5).")]
-ChatContextOption = Annotated[Optional[int], typer.Option(
-    "--chat-context", metavar="N", show_default=False,
-    help="Chat: tokens in the last turn's prompt (default 4096, or what MODEL's context "
-         "leaves after the answer).")]
-ChatUserTokensOption = Annotated[Optional[int], typer.Option(
-    "--chat-user-tokens", metavar="N", show_default=False,
-    help="Chat: tokens of each user block after the first (default 256, fewer when "
-         "--chat-context is too short for that).")]
-DrafterOption = Annotated[Optional[str], typer.Option(
-    "--drafter", metavar="NAME", show_default=False,
-    help="Chat: the engine's drafter: pld (default), none, or with MODEL also mtp, auto, draft / "
-         "assistant / dflash (with --draft-model: a draft model, Gemma-4 assistant, DFlash drafter).")]
-ConcurrencyOption = Annotated[Optional[str], typer.Option(
-    "--concurrency", metavar="LIST", show_default=False,
-    help="Requests at once, e.g. 1,2,4,8: mlxspec's batch against mlxspec serial and mlx-lm's batched "
-         "decoding (no speculation) on MODEL, --workloads' prompts (default echo), --drafter (default auto).")]
-JoinTokensOption = Annotated[Optional[int], typer.Option(
-    "--join-tokens", metavar="N", show_default=False,
-    help="With --concurrency: also time a request's gaps while an N-token prompt joins its batch.")]
-RealShapesOption = Annotated[Optional[str], typer.Option(
-    "--real-shapes", metavar="SHAPES", show_default=False,
-    help="Instead of MODEL: the engines on scripted random-weight models of these shapes "
-         "(comma-separated, as for --sweep, plus qwen3.6-35b-a3b, smoke-moe, gemma-4-31b, "
-         "gemma-4-26b-a4b, smoke-gemma4(-moe)); 'all' is qwen3-1.7b,qwen3-8b,qwen3.6-27b,qwen3.6-35b-a3b. "
-         "Default --reps 8, --max-tokens 128, --workloads echo,novel,scripted-a0.8,scripted-a0.6,scripted-a1.0.")]
-PromptTokensOption = Annotated[int, typer.Option(
-    "--prompt-tokens", metavar="N", help="Real shapes: tokens in each workload's prompt.")]
-DepthsOption = Annotated[str, typer.Option(
-    "--depths", metavar="LIST", help="Real shapes: the forced depths of the ideal curve "
-                                     f"(comma-separated, {MIN_DEPTH}-{MAX_DEPTH}).")]
-KernelsOffOption = Annotated[bool, typer.Option(
-    "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
-                          "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
-                          "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")]
-
-
 @app.command(help=BENCH_HELP)
 def bench(
     model: ModelArgument = None,
@@ -286,20 +199,15 @@ def bench(
             return
         _check_counts(reps=reps, draft_depth=draft_depth, depth=depth, temperature=temperature, prompts=prompts,
                       max_tokens=max_tokens)
-        if png_path:
-            from ..bench.report import check_matplotlib
-
-            check_matplotlib()  # before minutes of measuring, not after
-        _check(join_tokens is None or (concurrency is not None and join_tokens >= 1),
-               "--join-tokens needs --concurrency and a count of at least 1")
-        if concurrency is not None:
+        _check_png(png_path)  # before minutes of measuring, not after
+        if concurrency is not None or join_tokens is not None:
+            _check(concurrency is not None and (join_tokens is None or join_tokens >= 1),
+                   "--join-tokens needs --concurrency and a count of at least 1")
             _check(not chat and sweep is None and real_shapes is None,
                    "--concurrency is a benchmark of its own: give no --chat, --sweep or --real-shapes")
-            from .bench_concurrency import run_concurrency
-
-            run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(), workloads,
-                            prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress, join_tokens)
-            return
+            return run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(),
+                                   workloads, prompts, max_tokens, reps, drafter, temperature, seed, json_path,
+                                   _progress, join_tokens)
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
                       "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}
         given = [flag for flag, value in chat_flags.items() if value is not None]
@@ -336,6 +244,13 @@ def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens)
                  {"depth": "--depth", "temperature": FLAGS["temperature"][0]})
     _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
     check_values({"max_tokens": max_tokens}, {"max_tokens": "--max-tokens"})
+
+
+def _check_png(png_path: Optional[str]) -> None:
+    if png_path:
+        from ..bench.report import check_matplotlib
+
+        check_matplotlib()
 
 
 def _check_bits(bits: int) -> None:

@@ -170,16 +170,21 @@ def serve(
         spec, application = _build_app(model, draft_model, cache_bytes, max_connections, max_batch, api_key=key,
                                        max_queue=max_queue, max_tokens_cap=max_tokens_cap, drafter=drafter,
                                        cors=cors, reasoning=given["reasoning"], ui=ui_on)
+    _banner(spec, application.state.batch_note, host, port, key, drafter, ui_on)
+    _run_server(application, host, port, log_level)
+
+
+def _banner(spec, batch_note: str, host: str, port: int, key: Optional[str], drafter: str, ui_on: bool) -> None:
+    """What is served where, a request to try, how requests are batched, the chat page."""
     url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
     auth = f" -H 'Authorization: Bearer {'$MLXSPEC_API_KEY' if key else ''}'" if key else ""
     print_note(f"mlxspec serving {spec.name} at {url} (drafter {drafter}"
                f"{', draft ' + spec.draft.name if spec.draft else ''})")
     body = f'{{"model": "{spec.name}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
     print_note(f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
-    print_note(application.state.batch_note)
+    print_note(batch_note)
     if ui_on:
         print_note(f"chat page: open {url}/ in a browser")
-    _run_server(application, host, port, log_level)
 
 
 def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Optional[str],
