@@ -18,15 +18,16 @@ from ..errors import DrafterError, UsageError
 from ..models.mtp.head import MTPHead
 from ..options import DEFAULT_MAX_DEPTH, FALLBACK_MAX_DEPTH, check_values
 from .cache import ModelState
-from .constraints import MaskedChainSampling, TokenConstraint, apply_mask
-from .drafters.base import Draft, Drafter
+from .constraints import TokenConstraint
+from .drafters.base import Drafter
 from .drafters.pld import repetition_score
 from .drafters.registry import make_drafter
 from .emit import Output
 from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate, probe, stays_plain
-from .logprobs import TokenLogprob, token_logprobs
+from .logprobs import TokenLogprob
 from .penalties import Penalties
 from .prefix_cache import PrefixCache
+from .row_rules import RowRules
 from .sampling import SamplingParams, accept
 from .stats import Stats
 from .tree_step import TreePolicy, TreeUnsupported, tree_step
@@ -110,9 +111,8 @@ class SpeculativeDecoder:
         sampling = sampling.for_request(seed)  # its own random stream: no global seed
         run = _Run(self, list(prompt), sampling, max_tokens, set(stop_tokens), prefix_cache=prefix_cache,
                    checkpoints=checkpoints, prefill_step=prefill_step, on_prefill=on_prefill)
-        run.constraint, run.top_logprobs, run.on_logprobs = constraint, logprobs, on_logprobs
-        run.penalties = penalties if penalties is not None and penalties.active else None
-        if run._reads_rows:
+        run.rules, run.on_logprobs = RowRules(constraint, penalties, logprobs), on_logprobs
+        if run.rules.reads_rows:
             # each row follows the tokens before it on the host (its mask, its penalties): no
             # queued plain step or verify
             run.ahead = None
@@ -162,11 +162,9 @@ class _Run:
         self.checkpoints = checkpoints
         self.prefill_step = prefill_step
         self.on_prefill = on_prefill
-        self.constraint: TokenConstraint | None = None
-        self.top_logprobs: int | None = None  # None: no logprobs
+        self.rules = RowRules()  # constraint, penalties, logprobs (generate sets them)
         self.on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
         self.step_logprobs: list[TokenLogprob] = []
-        self.penalties: Penalties | None = None  # None: none active
 
     def _sync_gate(self) -> None:
         for on, reason in self.gate.events:
@@ -190,7 +188,8 @@ class _Run:
                     self._sync_gate()
                     new = self._tree(k) if k > 0 else None  # a tree step, where one pays
                     if k > 0 and new is None:
-                        draft = self.drafter.propose(self.tokens, k, self._draft_sampling())
+                        sampling = self.rules.draft_sampling(self.sampling, self.drafter)
+                        draft = self.drafter.propose(self.tokens, k, sampling)
                     elif k == 0:
                         self._probe(self.gate.probe_depth())
                 if new is None and draft is not None:
@@ -259,29 +258,17 @@ class _Run:
     def _reads_rows(self) -> bool:
         """Whether each step's rows need the host's tokens before them or are read there
         (constraint masks, penalties, logprobs): such steps are not queued ahead."""
-        return self.constraint is not None or self.top_logprobs is not None or self.penalties is not None
-
-    def _process(self, logits: mx.array, drafts: list[int], masks: mx.array | None = None) -> mx.array:
-        """The target's LOGITS (rows after the committed tokens and DRAFTS[:i]) as plain decoding
-        samples them: penalties and bias, then the constraint's masks."""
-        if self.penalties is not None:
-            logits = self.penalties.apply(self.tokens, drafts, logits)
-        return logits if masks is None else apply_mask(logits, masks)
+        return self.rules.reads_rows
 
     def _commit_rows(self, new: list[int], logits: mx.array) -> None:
-        """NEW tokens were sampled from LOGITS' rows (masked): advance the constraint and keep
-        their logprobs (see logprobs.py for which distribution)."""
-        if self.constraint is not None:
-            self.constraint.advance(new)
-        if self.top_logprobs is not None:
-            self.step_logprobs = token_logprobs(logits[: len(new)], new, self.top_logprobs)
+        self.step_logprobs = self.rules.commit(new, logits)
 
     def _read_plain_token(self) -> int:
         """A plain step whose row is read: processed, sampled, its logprobs kept; not pipelined
         (the next row's mask and penalties need this token)."""
         logits = self.target.forward(mx.array(self.tokens[-1:], mx.uint32), rollback=False)[-1:]
         self._pass_hidden(self.target.hidden)
-        logits = self._process(logits, [], self.constraint.masks([])[1] if self.constraint is not None else None)
+        logits = self.rules.process(self.tokens, logits, [], self.rules.plain_masks())
         t = self.sampling.sample(logits).item()
         self._commit_rows([t], logits)
         return t
@@ -390,38 +377,17 @@ class _Run:
             guess.logprobs = self.sampling.logprobs(self.target.forward(inputs, whole=True))
         return guess
 
-    def _draft_sampling(self) -> SamplingParams:
-        """What a drafter samples its chain with: under a constraint, each draw masked to the
-        language (model drafters; host drafters do not sample)."""
-        if self.constraint is None or not self.drafter.uses_model:
-            return self.sampling
-        s = self.sampling
-        return MaskedChainSampling(s.temperature, s.top_p, s.top_k, s.min_p, s.keys, constraint=self.constraint)
-
-    def _cut_draft(self, draft: Draft) -> tuple[Draft, mx.array, mx.array | None]:
-        """DRAFT cut at its first token outside the constraint's language, the masks of the
-        verify's rows, and the q row of the token cut (None: nothing cut, or a drafter that
-        drafts deterministically, whose cut token p already gives 0)."""
-        host = draft.host_tokens()
-        cut, masks = self.constraint.masks(host)
-        if cut == len(draft):
-            return draft, masks, None
-        q = draft.logprobs
-        cut_q = None if q is None else q[cut : cut + 1]
-        return Draft(draft.tokens[:cut], None if q is None else q[:cut], host[:cut]), masks, cut_q
-
     def _speculative_step(self, draft) -> list[int]:
         drafted = len(draft)  # counted whole: tokens cut by a constraint are rejections
-        masks = cut_q = logits = None
-        if self.constraint is not None:
-            draft, masks, cut_q = self._cut_draft(draft)
+        logits = None
+        draft, masks, cut_q = self.rules.cut(draft)
         k = len(draft)
-        host_drafts = draft.host_tokens() if self.penalties else []
+        host_drafts = draft.host_tokens() if self.rules.penalties else []
         start = len(self.tokens) - 1  # committed in the cache (a queued verify may follow)
         logprobs = self._settle_guess(draft)
         if logprobs is None:
             inputs = mx.concatenate([mx.array(self.tokens[-1:], mx.uint32), draft.tokens])
-            logits = self._process(self.target.forward(inputs), host_drafts, masks)
+            logits = self.rules.process(self.tokens, self.target.forward(inputs), host_drafts, masks)
             logprobs = self.sampling.logprobs(logits)
         args = (self.sampling, logprobs, draft.tokens, draft.logprobs)
         n_acc, out = accept(*args) if cut_q is None else accept(*args, cut_q)
