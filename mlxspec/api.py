@@ -16,6 +16,7 @@ from .engine.batch_cache import batch_refusal
 from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
+from .engine.row_rules import RowRules
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
 from .errors import DrafterError, InvalidCheckpointError, ModelNotFoundError, UsageError
@@ -243,13 +244,7 @@ class SpecModel:
         longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
         r = _request(request, options)
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
-        constraint = self.constraint(r.constraint) if r.constraint is not None else None
-        penalties = r.penalties
-        try:
-            penalties.check_vocabulary(self.target.vocab_size)
-        except ValueError as err:
-            raise UsageError(str(err)) from None
-        logprobs: list[TokenLogprob] | None = [] if r.logprobs is not None else None
+        rules, logprobs = self._rules(r)
         yield from self._text_chunks(self._decoder(r).generate(
             prompt_ids,
             sampling=r.sampling,
@@ -260,10 +255,10 @@ class SpecModel:
             checkpoints=checkpoints or (),
             prefill_step=r.prefill_step,
             on_prefill=r.on_prefill,
-            constraint=constraint,
+            constraint=rules.constraint,
             logprobs=r.logprobs,
             on_logprobs=logprobs.extend if logprobs is not None else None,
-            penalties=penalties,
+            penalties=r.penalties,
         ), logprobs)
 
     def _prepare(self, prompt, r: GenerationRequest) -> tuple[list[int], int, Sequence[int] | None]:
@@ -294,10 +289,7 @@ class SpecModel:
         """How REQUEST decodes as a row of a batch, or (None, why not): it is served alone."""
         if self.cannot_batch:
             return None, f"{self.name} cannot batch: {self.cannot_batch}"
-        r = request
-        if r.constraint is not None or r.logprobs is not None or r.penalties.active:
-            return None, "constrained output, logprobs and penalties are served alone"
-        dec = self._decoder(r)
+        dec = self._decoder(request)
         name = dec.drafter.name if dec.drafter is not None else "none"
         if name not in BATCH_DRAFTERS or dec.tree != 0:
             return None, f"drafter {name}{' with trees' if dec.tree != 0 else ''} is served alone"
@@ -313,15 +305,26 @@ class SpecModel:
         if plan is None:
             raise UsageError(why)
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
+        rules, logprobs = self._rules(r)
         row = batch.add(prompt_ids, sampling=r.sampling, max_tokens=max_tokens,
                         stop_tokens=set(self.tokenizer.eos_token_ids), plan=plan, seed=r.seed,
-                        prefix_cache=self.prompt_cache if r.reuse else None, checkpoints=checkpoints or ())
-        return self._row_chunks(batch, row)
+                        prefix_cache=self.prompt_cache if r.reuse else None, checkpoints=checkpoints or (),
+                        rules=rules, on_logprobs=logprobs.extend if logprobs is not None else None)
+        return self._row_chunks(batch, row, logprobs)
 
-    def _row_chunks(self, batch: BatchedDecoder, row) -> Iterator[Chunk]:
+    def _rules(self, r: GenerationRequest) -> tuple[RowRules, list[TokenLogprob] | None]:
+        """REQUEST's constraint, penalties and logprobs (checked), and the list its logprobs go to."""
+        constraint = self.constraint(r.constraint) if r.constraint is not None else None
+        try:
+            r.penalties.check_vocabulary(self.target.vocab_size)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return RowRules(constraint, r.penalties, r.logprobs), [] if r.logprobs is not None else None
+
+    def _row_chunks(self, batch: BatchedDecoder, row, logprobs: list | None) -> Iterator[Chunk]:
         updates = row.updates()
         try:
-            yield from self._text_chunks(updates)
+            yield from self._text_chunks(updates, logprobs)
         finally:
             updates.close()
             batch.remove(row)

@@ -30,6 +30,7 @@ from mlxspec.engine.batch import BatchedDecoder, RowPlan
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept
 from mlxspec.errors import UsageError
+from mlxspec.options import ConstraintSpec
 from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
@@ -48,6 +49,12 @@ REQUESTS = [  # (prompt, options): every batched drafter, temperature 0 and seed
     (IMPORTS, dict(drafter="mtp", max_tokens=40)),  # the MTP head reads its row's hidden states
     (LISTS, dict(drafter="mtp", temperature=0.8, seed=13, max_tokens=30)),
     (REVERSE, dict(drafter="draft", temperature=0.6, seed=17, max_tokens=30)),  # mini-attn's draft only
+    # rows that read their rows: a constraint's masks (drafts cut), penalties and bias, logprobs
+    (REVERSE, dict(drafter="pld", constraint=ConstraintSpec("regex", "[a-z ]{4,40}\\."), max_tokens=24)),
+    (IMPORTS, dict(drafter="mtp", temperature=0.7, seed=23, repetition_penalty=1.3, presence_penalty=0.5,
+                   max_tokens=30)),
+    (LISTS, dict(drafter="pld", logprobs=3, max_tokens=25)),
+    (IMPORTS, dict(drafter="pld", temperature=0.9, seed=29, logit_bias={198: 2.0}, max_tokens=30)),
 ]
 
 
@@ -138,6 +145,20 @@ def test_the_planted_shared_replay_count_is_caught(hybrid, monkeypatch):
     assert sum(got != alone[i] for i, got in finished) >= 2
 
 
+def test_a_row_reports_the_logprobs_it_reports_alone(spec):
+    prompt, options = REQUESTS[-2]
+    want = spec.generate(prompt, reuse=False, **options).logprobs
+    batch = spec.batch(3)
+    neighbours = [spec.stream_in(batch, p, reuse=False, **o) for p, o in REQUESTS[2:4]]
+    got = []
+    for chunk in spec.stream_in(batch, prompt, reuse=False, **options):
+        got.extend(chunk.logprobs or [])
+        for n in neighbours:
+            next(n, None)
+    assert [(p.token, p.top) for p in got] == [(p.token, p.top) for p in want]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(got, want)) < 1e-5
+
+
 def test_a_row_leaves_its_cache_for_the_next_request(spec, alone):
     spec.prompt_cache.clear()
     batch = spec.batch(2)
@@ -174,7 +195,8 @@ def test_refusals_name_why(spec):
     assert spec.batch_plan(GenerationRequest(drafter="mtp"))[0] is not None
     dflash = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-attn-DFlash"))
     assert dflash.batch_plan(GenerationRequest(drafter="dflash", tree=0))[1] == "drafter dflash is served alone"
-    assert "served alone" in spec.batch_plan(GenerationRequest(logprobs=2))[1]
+    assert spec.batch_plan(GenerationRequest(logprobs=2, drafter="pld"))[0] is not None
+    assert spec.batch_plan(GenerationRequest(drafter="pld", tree=4))[1] == "drafter pld with trees is served alone"
     gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
     plan, why = gemma.batch_plan(GenerationRequest(drafter="pld"))
     assert plan is None and "RotatingKVCache" in why

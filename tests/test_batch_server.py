@@ -1,6 +1,6 @@
 """`serve --max-batch`: concurrent requests decode as rows of one batch, each answer exactly
-the one served alone (temperature 0 and seeded > 0); a request the batch cannot take runs
-alone between them; a client that leaves frees its row; /metrics counts the batch."""
+the one served alone (temperature 0 and seeded > 0, logprobs too); a request the batch cannot
+take (draft trees) runs alone between them; a client that leaves frees its row; /metrics counts the batch."""
 
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ BODIES = [
      "speculation": {"enabled": False}},
     {"prompt": "List three colors.", "max_tokens": 24, "temperature": 0.7, "top_p": 0.9, "seed": 5,
      "speculation": PLD},
-    # logprobs are served alone: it runs between the rows, the rest wait behind it
     {"prompt": "Say hi.", "max_tokens": 12, "temperature": 0, "logprobs": 2, "speculation": PLD},
+    # draft trees are served alone: it runs between the rows, the ones behind it wait
+    {"prompt": "import os\nimport sys\nimport os\nimport", "max_tokens": 20, "temperature": 0,
+     "speculation": {"drafter": "pld", "tree": 4}},
     {"prompt": "def add(a, b):", "max_tokens": 30, "temperature": 0.5, "seed": 9, "speculation": PLD},
     {"prompt": "import os\nimport sys\nimport", "max_tokens": 30, "temperature": 0.6, "seed": 21,
      "speculation": {"drafter": "mtp"}},

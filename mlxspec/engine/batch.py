@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,15 +34,43 @@ from mlx_lm.generate import generation_stream
 from ..errors import UsageError
 from .batch_cache import RaggedCache
 from .cache import ModelState
-from .drafters.base import Drafter
+from .drafters.base import Draft, Drafter
 from .drafters.pld import repetition_score
 from .emit import Output
 from .gates import CostModel, ShadowDrafts, SpeculationGate, probe, stays_plain
+from .logprobs import TokenLogprob
 from .prefix_cache import PrefixCache
+from .row_rules import RowRules
 from .sampling import SamplingParams, accept
 from .stats import Stats
 
 PAD = 0  # fed after a row's drafts up to the step's width; its positions are rolled back
+
+
+@dataclass
+class Step:
+    """One row's share of a step: a plain step (``draft`` None) or a verify of DRAFT (cut by
+    the row's constraint: ``masks`` for its rows, ``cut_q`` the q of a token cut), DRAFTED
+    tokens proposed before the cut (counted whole: tokens cut are rejections)."""
+
+    draft: Draft | None = None
+    host: tuple[int, ...] = ()
+    masks: mx.array | None = None
+    cut_q: mx.array | None = None
+    drafted: int = 0
+
+    def accept(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(n accepted, the tokens after each prefix, the processed rows) from this row's LOGITS
+        (W, V): the single-request loop's own steps (speculate.py) on the row's rows."""
+        rules, sampling = row.rules, row.sampling
+        if self.draft is None:
+            lg = rules.process(row.tokens, logits[:1], [], rules.plain_masks())
+            return mx.array(0), sampling.sample(lg), lg
+        k = len(self.host)
+        lg = rules.process(row.tokens, logits[: k + 1], list(self.host) if rules.penalties else [], self.masks)
+        args = (sampling, sampling.logprobs(lg), self.draft.tokens, self.draft.logprobs)
+        n_acc, out = accept(*args) if self.cut_q is None else accept(*args, self.cut_q)
+        return n_acc, out, lg
 
 
 @dataclass
@@ -60,8 +88,11 @@ class Row:
     """One request in the batch; iterate :meth:`updates` for its (new tokens, stats)."""
 
     def __init__(self, engine: BatchedDecoder, prompt: list[int], sampling: SamplingParams,
-                 output: Output, plan: RowPlan, prefix_cache: PrefixCache | None, checkpoints: Sequence[int]):
+                 output: Output, plan: RowPlan, prefix_cache: PrefixCache | None, checkpoints: Sequence[int],
+                 rules: RowRules | None = None, on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
         self.engine = engine
+        self.rules = rules or RowRules()
+        self.on_logprobs = on_logprobs
         self.tokens = prompt
         self.sampling = sampling
         self.output = output
@@ -78,7 +109,7 @@ class Row:
             self.stats.depth = self.gate.max_depth
             self.stats.cost_model = "measured" if self.gate.cost.measured else "default"
             self.shadow = ShadowDrafts(self.drafter, self.gate.max_depth)
-        self.out: deque[list[int]] = deque()
+        self.out: deque[tuple[list[int], list[TokenLogprob]]] = deque()  # tokens, their logprobs
         # the single-request loop queues a plain step behind a plain one it guesses stays
         # plain, deciding it without the gate: the row decides the same way
         self.queued_plain = False
@@ -102,7 +133,10 @@ class Row:
                     if joining and not self.out and not self.finished:
                         yield [], self.stats
                 if self.out:
-                    yield self.out.popleft(), self.stats
+                    tokens, logprobs = self.out.popleft()
+                    if self.on_logprobs is not None:
+                        self.on_logprobs(logprobs)
+                    yield tokens, self.stats
                 elif self.error is not None:
                     raise self.error
                 else:
@@ -111,21 +145,23 @@ class Row:
             self.engine.remove(self)
 
     # -- one step's share ----------------------------------------------------------------
-    def plan_draft(self) -> tuple[list[int], mx.array | None]:
-        """The drafts this row verifies this step ([] for a plain step) and the device copy."""
+    def plan(self) -> Step:
+        """This row's share of the next step, decided as the single-request loop decides it."""
         remaining = self.output.remaining
         if self.drafter is None or remaining <= 1 or self.queued_plain:
-            return [], None
+            return Step()
         k = min(self.gate.depth(), remaining - 1)
         self._sync_gate()
         if k <= 0:
             if probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
                 self.stats.probes += 1
-            return [], None
-        draft = self.drafter.propose(self.tokens, k, self.sampling)
-        if draft is None or not len(draft):
-            return [], None
-        return draft.host_tokens(), draft
+            return Step()
+        draft = self.drafter.propose(self.tokens, k, self.rules.draft_sampling(self.sampling, self.drafter))
+        if draft is None:
+            return Step()
+        drafted = len(draft)
+        draft, masks, cut_q = self.rules.cut(draft)
+        return Step(draft, tuple(draft.host_tokens()), masks, cut_q, drafted)
 
     def store(self, tokens: list[int], snap) -> None:
         """Keep SNAP (the target's cache over TOKENS) and this row's drafter state with it."""
@@ -137,15 +173,18 @@ class Row:
             self.stats.record_gate(on, reason)
         self.gate.events.clear()
 
-    def commit(self, new: list[int], drafted: int, accepted: int, hidden: mx.array | None) -> None:
-        """NEW tokens follow (ACCEPTED of DRAFTED drafts, then the target's own); HIDDEN: the
-        target's rows of this step's kept positions, for a drafter that reads them."""
+    def commit(self, new: list[int], step: Step, accepted: int, rows: mx.array, hidden: mx.array | None) -> None:
+        """NEW tokens follow (ACCEPTED of the step's drafts, then the target's own), sampled from
+        ROWS (processed); HIDDEN: the target's rows of the kept positions, for a drafter that
+        reads them."""
+        drafted = step.drafted if step.draft is not None else 0
         if self.needs_hidden:
             self.drafter.add_hidden(hidden)
-        self.queued_plain = not drafted and self.output.remaining > 1 and stays_plain(
-            self.drafter, self.gate, self.tokens)
+        self.queued_plain = (step.draft is None and not self.rules.reads_rows and self.output.remaining > 1
+                             and stays_plain(self.drafter, self.gate, self.tokens))
+        logprobs = self.rules.commit(new, rows)
         self.tokens.extend(new)
-        if drafted:
+        if step.draft is not None:
             self.stats.record_verify(drafted, accepted)
             self.gate.observe(drafted, accepted)
             self.drafter.rollback(len(self.tokens) - 1)
@@ -160,7 +199,7 @@ class Row:
                         self.gate.observe(*settled)
         out = self.output.take(new)
         if out:
-            self.out.append(out)
+            self.out.append((out, logprobs[: len(out)]))
 
 
 class BatchedDecoder:
@@ -187,14 +226,17 @@ class BatchedDecoder:
 
     def add(self, prompt: list[int], *, sampling: SamplingParams, max_tokens: int, stop_tokens: set[int],
             plan: RowPlan, seed: int | None = None, prefix_cache: PrefixCache | None = None,
-            checkpoints: Sequence[int] = ()) -> Row:
-        """A new request: it prefills over the next steps, then decodes with the others."""
+            checkpoints: Sequence[int] = (), rules: RowRules | None = None,
+            on_logprobs: Callable[[list[TokenLogprob]], None] | None = None) -> Row:
+        """A new request: it prefills over the next steps, then decodes with the others. RULES:
+        its constraint, penalties and logprobs; ON_LOGPROBS gets each yield's logprobs."""
         if not prompt:
             raise UsageError("the prompt is empty")
         if self.full:
             raise UsageError(f"the batch is full ({self.max_rows} rows)")
         output = Output(Stats(prompt_tokens=len(prompt)), max_tokens, set(stop_tokens))
-        row = Row(self, list(prompt), sampling.for_request(seed), output, plan, prefix_cache, checkpoints)
+        row = Row(self, list(prompt), sampling.for_request(seed), output, plan, prefix_cache, checkpoints,
+                  rules, on_logprobs)
         row.prefill = self._prefill(row)
         self.joining.append(row)
         return row
@@ -276,26 +318,19 @@ class BatchedDecoder:
 
     def _decode(self) -> None:
         rows = list(self.rows)
-        plans = [r.plan_draft() for r in rows]
-        width = 1 + max(len(p[0]) for p in plans)
-        inputs = [[r.tokens[-1], *host] + [PAD] * (width - 1 - len(host)) for r, (host, _) in zip(rows, plans)]
+        plans = [r.plan() for r in rows]
+        width = 1 + max(len(p.host) for p in plans)
+        inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
         hidden = any(r.needs_hidden for r in rows)
         logits, h = self.cache.forward(mx.array(inputs, mx.uint32), hidden)  # (B, W, V), (B, W, H)
         assert logits.shape[:2] == (len(rows), width), logits.shape
-        results = []
-        for i, (r, (host, draft)) in enumerate(zip(rows, plans)):
-            k = len(host)
-            if k == 0:  # a plain step: plain decoding's own draw
-                results.append((mx.array(0), r.sampling.sample(logits[i, :1])))
-            else:
-                lp = r.sampling.logprobs(logits[i, : k + 1])
-                results.append(accept(r.sampling, lp, draft.tokens, draft.logprobs))
-        mx.eval(results)
+        results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
+        mx.eval([res[:2] for res in results])
         junk = []
-        for i, (r, (host, _), (n_acc, out)) in enumerate(zip(rows, plans, results)):
+        for i, (r, p, (n_acc, out, lg)) in enumerate(zip(rows, plans, results)):
             n = n_acc.item()
             junk.append(width - 1 - n)
-            r.commit(host[:n] + [out[n].item()], len(host), n, h[i, : n + 1] if r.needs_hidden else None)
+            r.commit(list(p.host[:n]) + [out[n].item()], p, n, lg, h[i, : n + 1] if r.needs_hidden else None)
         self.cache.rollback(junk)
         self.steps += 1
         self.row_steps += len(rows)
