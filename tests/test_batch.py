@@ -117,9 +117,16 @@ def run_schedule(spec, seed: int, alone: list, max_rows: int = 4):
 def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     spec, alone = (request.getfixturevalue("spec"), request.getfixturevalue("alone")) if target == "attn" \
         else request.getfixturevalue("hybrid")
-    junks = []
+    junks, queued = [], []
     real = batch_cache.RaggedCache.rollback
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
+    real_queue = BatchedDecoder._queue_plain
+
+    def spy(self, rows, outs):
+        real_queue(self, rows, outs)
+        queued.append(self._queued is not None)
+
+    monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)
     done, cancelled, most = 0, 0, 0
     for seed in range(2):
         finished, c, m = run_schedule(spec, seed, alone)
@@ -129,12 +136,22 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     assert done >= 14 and cancelled >= 1 and most >= 3, (done, cancelled, most)
     # rows were rolled back by different amounts in one step (drafts rejected at different places)
     assert sum(len(set(j)) > 1 for j in junks) >= 20, junks
+    assert sum(queued) >= 5  # plain steps queued behind plain steps, as the single-request loop does
 
 
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
     finished, _, _ = run_schedule(spec, 0, alone)
     assert sum(got != alone[i] for i, got in finished) >= 2
+
+
+def test_the_planted_queue_that_ignores_the_drafters_is_caught(spec, alone, monkeypatch):
+    """PLANTED: a plain step queued whatever the rows' drafters would do (a seeded row then
+    draws in another order than alone)."""
+    monkeypatch.setattr(batch_mod.Row, "stays_plain_next",
+                        lambda self: not self.rules.reads_rows and self.output.remaining > 1)
+    finished, _, _ = run_schedule(spec, 0, alone)
+    assert sum(got != alone[i] for i, got in finished) >= 1
 
 
 def test_the_planted_shared_replay_count_is_caught(hybrid, monkeypatch):

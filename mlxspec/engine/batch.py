@@ -74,6 +74,16 @@ class Step:
 
 
 @dataclass
+class Queued:
+    """A plain step queued behind the last: its rows, their sampled tokens (on the device)
+    and their hidden rows (drafters that read them; else None)."""
+
+    rows: list[Row]
+    outs: list[mx.array]
+    hidden: list[mx.array | None]
+
+
+@dataclass
 class RowPlan:
     """How one request decodes: what ``SpeculativeDecoder`` would run for it."""
 
@@ -168,6 +178,12 @@ class Row:
         d = self.drafter
         self.prefix_cache.store(tokens, snap, d.name if d else None, d.snapshot() if d else None)
 
+    def stays_plain_next(self) -> bool:
+        """Whether the step after this plain one is plain too, decided before its token is read
+        (the single-request loop then queues it; see ``commit``, which decides the same)."""
+        return not self.rules.reads_rows and self.output.remaining > 1 and stays_plain(
+            self.drafter, self.gate, self.tokens)
+
     def _sync_gate(self) -> None:
         for on, reason in self.gate.events:
             self.stats.record_gate(on, reason)
@@ -180,8 +196,7 @@ class Row:
         drafted = step.drafted if step.draft is not None else 0
         if self.needs_hidden:
             self.drafter.add_hidden(hidden)
-        self.queued_plain = (step.draft is None and not self.rules.reads_rows and self.output.remaining > 1
-                             and stays_plain(self.drafter, self.gate, self.tokens))
+        self.queued_plain = step.draft is None and self.stays_plain_next()
         logprobs = self.rules.commit(new, rows)
         self.tokens.extend(new)
         if step.draft is not None:
@@ -214,6 +229,7 @@ class BatchedDecoder:
         self.cache = RaggedCache(model)
         self.rows: list[Row] = []  # in the cache's row order
         self.joining: deque[Row] = deque()
+        self._queued: Queued | None = None  # a plain step queued behind the last one
         self.steps = 0  # batched forwards run
         self.row_steps = 0  # rows those forwards served, summed
 
@@ -251,6 +267,11 @@ class BatchedDecoder:
 
     def _leave(self, row: Row) -> None:
         i = self.rows.index(row)
+        if self._queued is not None:  # its share of a queued step goes with it
+            q = self._queued
+            q.rows.pop(i), q.outs.pop(i), q.hidden.pop(i)
+            if not q.rows:
+                self._queued = None
         if row.prefix_cache is not None and row.error is None:
             snap = self.cache.snapshot(i)
             if snap is not None:
@@ -260,8 +281,12 @@ class BatchedDecoder:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> None:
-        """One prefill chunk of the first joining row, then one decode step of the rows in."""
+        """One prefill chunk of the first joining row, then one decode step of the rows in (a
+        queued step is taken first: its rows are the batch's before anyone joins)."""
         with mx.stream(generation_stream):
+            decoded = self._queued is not None
+            if decoded:
+                self._decode_all()
             if self.joining:
                 row = self.joining[0]
                 try:
@@ -271,13 +296,17 @@ class BatchedDecoder:
                 except Exception as err:  # this row's prompt failed: the others go on
                     self.joining.remove(row)
                     row.error = err
-            if self.rows:
-                try:
-                    self._decode()
-                except Exception as err:  # one forward for all: every row in it ends with it
-                    for r in list(self.rows):
-                        r.error = err
-                        self._leave(r)
+            if self.rows and not decoded:
+                self._decode_all()
+
+    def _decode_all(self) -> None:
+        try:
+            self._decode()
+        except Exception as err:  # one forward for all: every row in it ends with it
+            self._queued = None
+            for r in list(self.rows):
+                r.error = err
+                self._leave(r)
 
     def _prefill(self, row: Row) -> Iterator[None]:
         """Restore the longest cached prefix, feed the rest (but the last token) a chunk per
@@ -318,22 +347,42 @@ class BatchedDecoder:
 
     def _decode(self) -> None:
         rows = list(self.rows)
-        plans = [r.plan() for r in rows]
-        width = 1 + max(len(p.host) for p in plans)
-        inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
-        hidden = any(r.needs_hidden for r in rows)
-        logits, h = self.cache.forward(mx.array(inputs, mx.uint32), hidden)  # (B, W, V), (B, W, H)
-        assert logits.shape[:2] == (len(rows), width), logits.shape
-        results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
-        mx.eval([res[:2] for res in results])
+        if self._queued is not None:  # a plain step queued by the last one: its rows are these
+            queued, self._queued = self._queued, None
+            assert queued.rows == rows
+            plans, width, hidden = [Step()] * len(rows), 1, queued.hidden
+            results = [(mx.array(0), out, None) for out in queued.outs]
+        else:
+            plans = [r.plan() for r in rows]
+            width = 1 + max(len(p.host) for p in plans)
+            inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
+            logits, h = self.cache.forward(mx.array(inputs, mx.uint32), any(r.needs_hidden for r in rows))
+            assert logits.shape[:2] == (len(rows), width), logits.shape  # (B, W, V)
+            results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
+            hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]  # (W, H) each
+        mx.async_eval([res[:2] for res in results])
+        if width == 1:
+            self._queue_plain(rows, [out for _, out, _ in results])
         junk = []
-        for i, (r, p, (n_acc, out, lg)) in enumerate(zip(rows, plans, results)):
+        for r, p, (n_acc, out, lg), hid in zip(rows, plans, results, hidden):
             n = n_acc.item()
             junk.append(width - 1 - n)
-            r.commit(list(p.host[:n]) + [out[n].item()], p, n, lg, h[i, : n + 1] if r.needs_hidden else None)
+            r.commit(list(p.host[:n]) + [out[n].item()], p, n, lg, None if hid is None else hid[: n + 1])
         self.cache.rollback(junk)
         self.steps += 1
         self.row_steps += len(rows)
         for r in rows:  # a row that ended leaves now (its consumer still has its last tokens)
             if r.finished:
                 self._leave(r)
+
+    def _queue_plain(self, rows: list[Row], outs: list[mx.array]) -> None:
+        """After a plain step of every row, queue the next one behind it (its inputs are this
+        step's tokens, still on the device) when every row will decode plainly again, as the
+        single-request loop decides it; not while a row is joining (it changes the batch)."""
+        if self.joining or not all(r.stays_plain_next() for r in rows):
+            return
+        inputs = mx.stack([o.reshape(1) for o in outs]).astype(mx.uint32)  # (B, 1)
+        logits, h = self.cache.forward(inputs, any(r.needs_hidden for r in rows))
+        nxt = [r.sampling.sample(logits[i, :1]) for i, r in enumerate(rows)]
+        mx.async_eval(nxt)
+        self._queued = Queued(list(rows), nxt, [h[i] if r.needs_hidden else None for i, r in enumerate(rows)])
