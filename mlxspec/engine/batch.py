@@ -15,7 +15,10 @@ Each row runs exactly what the single-request loop runs for it (speculate.py): t
 gate decisions, the same draws from its own random stream in the same order (``sample`` for
 a plain step, ``accept`` for a verify, on the row's own rows of the logits), so a row's
 tokens are those of its request served alone, at any temperature, whatever its neighbours
-do. Drafters: prompt lookup, none, an MTP head and a draft model: each row has its own
+do. That includes the single-request loop's pipelining: a plain step of every row queues the
+next plain step behind it when every row will decode plainly again (``Row.stays_plain_next``),
+and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape its own rows.
+Drafters: prompt lookup, none, an MTP head and a draft model: each row has its own
 drafter instance (its own head or draft-model cache, B = 1; an MTP head gets its row of the
 batched forward's hidden states). The Gemma-4 assistant (it reads the target's own cache) and
 DFlash (it hooks the target's layers) are served alone (``SpecModel.batch_plan``).

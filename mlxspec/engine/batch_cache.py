@@ -100,8 +100,9 @@ class RaggedCache:
         """The model on INPUTS (B, W) over these caches: logits (B, W, V) and with HIDDEN the
         final-norm hidden states (B, W, H); the recurrent layers taped so :meth:`rollback`
         can undo any tail of each row."""
-        self._before = [list(c.cache) for c in self._recurrent]
-        for c in self._recurrent:
+        taping = inputs.shape[1] > 1  # a one-token step is never rolled back
+        self._before = [list(c.cache) for c in self._recurrent] if taping else []
+        for c in self._recurrent if taping else ():
             c.record_tape = True
         h = None
         try:
