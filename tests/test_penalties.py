@@ -57,13 +57,20 @@ def qwen3(tiny_qwen3):
     return mlx_lm.load(str(tiny_qwen3))
 
 
-@pytest.mark.parametrize("drafter", ["pld", "draft", "none"])
-def test_greedy_with_penalties_is_mlx_lm_token_for_token(qwen3, tiny_qwen3_draft, drafter):
+@pytest.fixture(scope="module")
+def greedy_references(qwen3):
+    """mlx-lm's greedy tokens with PENALTIES and without (deterministic: decoded once for the
+    three drafters below)."""
     model, tok = qwen3
     prompt = tok.encode(PROMPT_TEXT)
     n = 40
-    reference = mlx_lm_greedy(model, prompt, PENALTIES, n)
-    unpenalised = mlx_lm_greedy(model, prompt, Penalties(), n)
+    return prompt, n, mlx_lm_greedy(model, prompt, PENALTIES, n), mlx_lm_greedy(model, prompt, Penalties(), n)
+
+
+@pytest.mark.parametrize("drafter", ["pld", "draft", "none"])
+def test_greedy_with_penalties_is_mlx_lm_token_for_token(qwen3, greedy_references, tiny_qwen3_draft, drafter):
+    model, _ = qwen3
+    prompt, n, reference, unpenalised = greedy_references
     assert reference != unpenalised  # the penalties change this output: the test can fail
     draft = mlx_lm.load(str(tiny_qwen3_draft))[0] if drafter == "draft" else None
     out, stats = speculate(model, prompt, n, PENALTIES, drafter=drafter, draft_model=draft, depth=3)
