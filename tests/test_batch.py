@@ -117,32 +117,52 @@ def run_schedule(spec, seed: int, alone: list, max_rows: int = 4, requests: int 
 def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     spec, alone = (request.getfixturevalue("spec"), request.getfixturevalue("alone")) if target == "attn" \
         else request.getfixturevalue("hybrid")
-    junks, queued = [], []
+    junks = []
     real = batch_cache.RaggedCache.rollback
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
-    real_queue = BatchedDecoder._queue_plain
-
-    def spy(self, rows, outs):
-        real_queue(self, rows, outs)
-        queued.append(self._queued is not None)
-
-    monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)
     done, cancelled, most = 0, 0, 0
     for seed in range(2):
         finished, c, m = run_schedule(spec, seed, alone)
         for i, got in finished:
             assert got == alone[i], (seed, i)
         done, cancelled, most = done + len(finished), cancelled + c, max(most, m)
-    assert done >= 14 and cancelled >= 1 and most >= 3, (done, cancelled, most)
+    assert done >= 12 and cancelled >= 1 and most >= 3, (done, cancelled, most)
     # rows were rolled back by different amounts in one step (drafts rejected at different places)
     assert sum(len(set(j)) > 1 for j in junks) >= 20, junks
-    assert sum(queued) >= 5  # plain steps queued behind plain steps, as the single-request loop does
 
 
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
     finished, _, _ = run_schedule(spec, 0, alone, requests=7)
     assert sum(got != alone[i] for i, got in finished) >= 2
+
+
+def test_plain_rows_queue_each_next_step(spec, monkeypatch):
+    """Rows that all decode plainly (no drafter) queue each next step behind the last, as the
+    single-request loop does (a count that does not hang on measured costs); tokens as alone."""
+    requests = [(REVERSE, dict(drafter="none", max_tokens=20)), (LISTS, dict(drafter="none", max_tokens=16)),
+                ("Say hi.", dict(drafter="none", temperature=0.7, seed=11, max_tokens=14))]
+    want = [spec.generate(p, reuse=False, **o).tokens for p, o in requests]
+    queued = []
+    real = BatchedDecoder._queue_plain
+
+    def spy(self, rows, outs):
+        real(self, rows, outs)
+        queued.append(self._queued is not None)
+
+    monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)
+    batch = spec.batch(3)
+    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in requests]
+    got = [[] for _ in streams]
+    while any(s is not None for s in streams):
+        for i, s in enumerate(streams):
+            chunk = next(s, None) if s is not None else None
+            if chunk is None:
+                streams[i] = None
+            else:
+                got[i].extend(chunk.tokens)
+    assert got == want
+    assert sum(queued) >= 10, queued
 
 
 def test_the_planted_queue_that_ignores_the_drafters_is_caught(spec, alone, monkeypatch):
