@@ -122,13 +122,13 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", lambda self, junk: (junks.append(junk), real(self, junk)))
     done, cancelled, most = 0, 0, 0
     for seed in range(2):
-        finished, c, m = run_schedule(spec, seed, alone)
+        finished, c, m = run_schedule(spec, seed, alone, requests=9)
         for i, got in finished:
             assert got == alone[i], (seed, i)
         done, cancelled, most = done + len(finished), cancelled + c, max(most, m)
-    assert done >= 12 and cancelled >= 1 and most >= 3, (done, cancelled, most)
+    assert done >= 10 and cancelled >= 1 and most >= 3, (done, cancelled, most)
     # rows were rolled back by different amounts in one step (drafts rejected at different places)
-    assert sum(len(set(j)) > 1 for j in junks) >= 20, junks
+    assert sum(len(set(j)) > 1 for j in junks) >= 15, junks
 
 
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
