@@ -123,8 +123,8 @@ def test_max_batch_flag_default_and_banner(spec, monkeypatch):
     assert default_max_batch(512 << 30, 1, 1)[0] == 8  # capped
     rows, note = serve._max_batch(spec, None)
     assert rows >= 1 and "default:" in note
-    assert serve._max_batch(spec, 3) == (3, "up to 3 requests decode together (--max-batch); prompt lookup "
-                                            "and no drafter batch, other drafters run alone")
+    assert serve._max_batch(spec, 3) == (3, "up to 3 requests decode together (--max-batch); requests with "
+                                            "the Gemma-4 assistant, DFlash or draft trees run alone")
     gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
     rows, note = serve._max_batch(gemma, 4)
     assert rows == 1 and "cannot batch" in note and "RotatingKVCache" in note

@@ -123,9 +123,9 @@ def serve(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = DEFAULT_MAX_QUEUE,
     max_batch: Annotated[Optional[int], typer.Option(
         "--max-batch", metavar="N", show_default=False,
-        help="Requests decoded together, each exact as if alone (prompt lookup or no drafter; "
-             "others run one at a time). Default: what this machine's memory holds beside the "
-             f"model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one request at a time.")] = None,
+        help="Requests decoded together, each exact as if alone (the Gemma-4 assistant, DFlash "
+             "and draft trees run one at a time). Default: what this machine's memory holds beside "
+             f"the model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one request at a time.")] = None,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
     max_connections: Annotated[int, typer.Option(
@@ -269,8 +269,8 @@ def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:
         how = "--max-batch"
     if asked == 1:
         return 1, f"requests run one at a time ({how})"
-    return asked, (f"up to {asked} requests decode together ({how}); prompt lookup and no drafter "
-                   "batch, other drafters run alone")
+    return asked, (f"up to {asked} requests decode together ({how}); requests with the Gemma-4 "
+                   "assistant, DFlash or draft trees run alone")
 
 
 def _run_server(application, host: str, port: int, log_level: str) -> None:
