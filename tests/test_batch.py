@@ -98,7 +98,8 @@ def run_schedule(spec, seed: int, alone: list, max_rows: int = 4, requests: int 
             live.append((i, spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]), []))
         for entry in list(live):
             i, stream, got = entry
-            if got and rng.random() < 0.01:  # the client leaves
+            # the client leaves: now and then, and at least once a schedule (after two finished)
+            if got and (rng.random() < 0.01 or (not cancelled and len(finished) >= 2)):
                 stream.close()
                 live.remove(entry)
                 cancelled += 1
