@@ -42,6 +42,7 @@ from .drafters.pld import repetition_score
 from .emit import Output
 from .gates import CostModel, ShadowDrafts, SpeculationGate, probe, stays_plain
 from .logprobs import TokenLogprob
+from .prefill import feed_prompt, restore_prefix, store
 from .prefix_cache import PrefixCache
 from .row_rules import RowRules
 from .sampling import SamplingParams, accept
@@ -176,11 +177,6 @@ class Row:
         draft, masks, cut_q = self.rules.cut(draft)
         return Step(draft, tuple(draft.host_tokens()), masks, cut_q, drafted)
 
-    def store(self, tokens: list[int], snap) -> None:
-        """Keep SNAP (the target's cache over TOKENS) and this row's drafter state with it."""
-        d = self.drafter
-        self.prefix_cache.store(tokens, snap, d.name if d else None, d.snapshot() if d else None)
-
     def stays_plain_next(self) -> bool:
         """Whether the step after this plain one is plain too, decided before its token is read
         (the single-request loop then queues it; see ``commit``, which decides the same)."""
@@ -188,9 +184,7 @@ class Row:
             self.drafter, self.gate, self.tokens)
 
     def _sync_gate(self) -> None:
-        for on, reason in self.gate.events:
-            self.stats.record_gate(on, reason)
-        self.gate.events.clear()
+        self.gate.flush(self.stats.record_gate)
 
     def commit(self, new: list[int], step: Step, accepted: int, rows: mx.array, hidden: mx.array | None) -> None:
         """NEW tokens follow (ACCEPTED of the step's drafts, then the target's own), sampled from
@@ -210,11 +204,7 @@ class Row:
         else:
             self.stats.plain_steps += 1
             if self.gate is not None:
-                self.gate.tick_plain()
-                if self.gate.shadowing:
-                    settled = self.shadow.update(self.tokens)
-                    if settled:
-                        self.gate.observe(*settled)
+                self.gate.after_plain(self.shadow, self.tokens)
         out = self.output.take(new)
         if out:
             self.out.append((out, logprobs[: len(out)]))
@@ -278,7 +268,7 @@ class BatchedDecoder:
         if row.prefix_cache is not None and row.error is None:
             snap = self.cache.snapshot(i)
             if snap is not None:
-                row.store(row.tokens[: snap.length], snap)
+                store(row.prefix_cache, row.tokens[: snap.length], snap, row.drafter)
         self.rows.pop(i)
         self.cache.keep([j for j in range(len(self.rows) + 1) if j != i])
 
@@ -314,33 +304,15 @@ class BatchedDecoder:
     def _prefill(self, row: Row) -> Iterator[None]:
         """Restore the longest cached prefix, feed the rest (but the last token) a chunk per
         next(), storing at the row's checkpoints."""
-        prompt, end, drafter = row.tokens, len(row.tokens) - 1, row.drafter
+        prompt, drafter = row.tokens, row.drafter
         row.state = state = ModelState(self.model, keep_hidden=row.needs_hidden)
-        at, resume = 0, None
-        found = row.prefix_cache.lookup(prompt, end) if row.prefix_cache is not None else None
-        if found is not None:  # as the single-request loop restores it (speculate.py)
-            entry, at = found
-            if drafter is not None:
-                resume = entry.drafters.get(drafter.name)
-                at = drafter.resume_point(resume, at)
-            if at > 0:
-                state.restore(entry.target, at)
-        if drafter is not None:
-            drafter.start(prompt, resume if at else None, at)
-        row.stats.cached_tokens = at
-        for point in sorted({p for p in row.checkpoints if at < p < end} | {end}):
-            while state.length < point:
-                n = min(self.prefill_step, point - state.length)
-                hidden = state.prefill(prompt[state.length : state.length + n], step=n)
-                if drafter is not None:
-                    drafter.prefill(prompt, state.length, hidden)
-                yield
-            if row.prefix_cache is not None and state.length > at:
-                row.store(prompt[: state.length], state.snapshot())
+        row.stats.cached_tokens = restore_prefix(state, prompt, drafter, row.prefix_cache)
+        yield from (None for _ in feed_prompt(state, prompt, drafter, row.prefix_cache, row.checkpoints,
+                                              self.prefill_step))
         if drafter is not None:
             if not drafter.uses_model:
                 row.gate.prompt_check(repetition_score(prompt))
-            row._sync_gate()
+            row.gate.flush(row.stats.record_gate)
 
     def _join(self, row: Row) -> None:
         # an empty cache (a 1-token prompt) joins as a row of zero length

@@ -231,6 +231,21 @@ class SpeculationGate:
         if not self.on:
             self._since_off += 1
 
+    def after_plain(self, shadow: ShadowDrafts, tokens: list[int]) -> None:
+        """One token was decoded plainly (TOKENS now end with it): count it and, while
+        shadowing, settle SHADOW's proposal against it."""
+        self.tick_plain()
+        if self.shadowing:
+            settled = shadow.update(tokens)
+            if settled:
+                self.observe(*settled)
+
+    def flush(self, record) -> None:
+        """Hand each switch since the last flush to RECORD(on, reason) (Stats.record_gate)."""
+        for on, reason in self.events:
+            record(on, reason)
+        self.events.clear()
+
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted > 0:
             self.model.observe(drafted, accepted)

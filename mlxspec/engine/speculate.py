@@ -26,6 +26,7 @@ from .emit import Output
 from .gates import AheadGate, CostModel, Guess, ShadowDrafts, SpeculationGate, probe, stays_plain
 from .logprobs import TokenLogprob
 from .penalties import Penalties
+from .prefill import feed_prompt, restore_prefix, store
 from .prefix_cache import PrefixCache
 from .row_rules import RowRules
 from .sampling import SamplingParams, accept
@@ -167,9 +168,7 @@ class _Run:
         self.step_logprobs: list[TokenLogprob] = []
 
     def _sync_gate(self) -> None:
-        for on, reason in self.gate.events:
-            self.stats.record_gate(on, reason)
-        self.gate.events.clear()
+        self.gate.flush(self.stats.record_gate)
 
     # -- the loop -------------------------------------------------------------------
     def loop(self):
@@ -216,38 +215,16 @@ class _Run:
         (target and drafter together), storing the caches at each checkpoint."""
         prompt, drafter = self.tokens, self.drafter
         end = len(prompt) - 1  # the last prompt token is fed by the first decoding step
-        at, resume = 0, None
-        found = self.prefix_cache.lookup(prompt, end) if self.prefix_cache is not None else None
-        if found is not None:
-            entry, at = found
-            if drafter is not None:
-                resume = entry.drafters.get(drafter.name)
-                at = drafter.resume_point(resume, at)
-            if at > 0:
-                self.target.restore(entry.target, at)
-        if drafter is not None:
-            drafter.start(prompt, resume if at else None, at)
-        self.stats.cached_tokens = at
-        pos = at
-        for point in sorted({p for p in self.checkpoints if at < p < end} | {end}):
-            while pos < point:
-                n = min(self.prefill_step, point - pos)
-                hidden = self.target.prefill(prompt[pos : pos + n], step=n)
-                pos += n
-                if drafter is not None:
-                    drafter.prefill(prompt, pos, hidden)
-                if self.on_prefill is not None:
-                    self.on_prefill(pos - at, end - at)
-            if pos > at:
-                self._store()
+        at = self.stats.cached_tokens = restore_prefix(self.target, prompt, drafter, self.prefix_cache)
+        for pos in feed_prompt(self.target, prompt, drafter, self.prefix_cache, self.checkpoints, self.prefill_step):
+            if self.on_prefill is not None:
+                self.on_prefill(pos - at, end - at)
 
     def _store(self) -> None:
         """Keep the caches over the tokens fed so far for a later request that shares them."""
         if self.prefix_cache is None or self.target.length == 0:
             return
-        drafter = self.drafter
-        self.prefix_cache.store(self.tokens[: self.target.length], self.target.snapshot(),
-                                drafter.name if drafter else None, drafter.snapshot() if drafter else None)
+        store(self.prefix_cache, self.tokens[: self.target.length], self.target.snapshot(), self.drafter)
 
     def _pass_hidden(self, rows) -> None:
         """Hand the drafter the hidden states of newly committed positions (MTP heads)."""
@@ -281,11 +258,7 @@ class _Run:
         self.tokens.append(t)
         self.stats.plain_steps += 1
         if self.gate is not None:
-            self.gate.tick_plain()
-        if self.shadow is not None and self.gate.shadowing:
-            settled = self.shadow.update(self.tokens)
-            if settled:
-                self.gate.observe(*settled)
+            self.gate.after_plain(self.shadow, self.tokens)
         return [t], nxt
 
     def _pipelined_token(self, pending, remaining):
