@@ -295,15 +295,17 @@ class SpecModel:
             return None, f"drafter {name}{' with trees' if dec.tree != 0 else ''} is served alone"
         return RowPlan(dec.drafter, dec.max_depth, dec.depth, dec.gates, dec.cost), None
 
-    def stream_in(self, batch: BatchedDecoder, prompt, request: GenerationRequest | None = None,
-                  **options) -> Iterator[Chunk]:
+    def stream_in(self, batch: BatchedDecoder, prompt, request: GenerationRequest | None = None, *,
+                  plan: RowPlan | None = None, **options) -> Iterator[Chunk]:
         """:meth:`stream`, decoded as a row of BATCH together with its other rows (the same
         tokens as alone, at any temperature). The row is added now (it prefills over the
-        batch's next steps); UsageError when :meth:`batch_plan` refuses it."""
+        batch's next steps); UsageError when :meth:`batch_plan` refuses it. PLAN: what
+        :meth:`batch_plan` gave for this very request, if already asked (its drafter is used)."""
         r = _request(request, options)
-        plan, why = self.batch_plan(r)
         if plan is None:
-            raise UsageError(why)
+            plan, why = self.batch_plan(r)
+            if plan is None:
+                raise UsageError(why)
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         rules, logprobs = self._rules(r)
         row = batch.add(prompt_ids, sampling=r.sampling, max_tokens=max_tokens,

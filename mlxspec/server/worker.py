@@ -40,7 +40,9 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     withdraw: Callable[[Job], None] | None = None  # takes a waiting job out of the queue
-    batchable: bool | None = None  # whether it may join the batch (None: not asked yet)
+    # how it decodes as a batch row (SpecModel.batch_plan, asked once): None not asked yet,
+    # False it runs alone
+    plan: object = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -174,17 +176,17 @@ class Worker:
                 while not self._waiting and not rows:
                     self._ready.wait()
                 job = self._waiting[0] if self._waiting and len(rows) < self.max_batch else None
-            if job is not None and job.batchable is None:
-                job.batchable = self._batchable(job)  # off the lock: it may time the model once
+            if job is not None and job.plan is None:
+                job.plan = self._plan(job)  # off the lock: it may time the model once
             alone = None
             with self._ready:
                 if job is not None and self._waiting and self._waiting[0] is job:
-                    if job.batchable or not rows:  # one that cannot join waits for the rows before it
+                    if job.plan or not rows:  # one that cannot join waits for the rows before it
                         self._waiting.popleft()
                         self._running.append(job)
-                        if not job.batchable:
+                        if not job.plan:
                             alone = job
-                    job = job if job.batchable else None
+                    job = job if job.plan else None
                 else:
                     job = None
             if alone is not None:
@@ -193,7 +195,8 @@ class Worker:
             if job is not None:
                 try:
                     if not job.cancelled.is_set():
-                        rows.append((job, self.spec.stream_in(batch, prompt=job.prompt, request=job.request)))
+                        rows.append((job, self.spec.stream_in(batch, prompt=job.prompt, request=job.request,
+                                                              plan=job.plan)))
                     else:
                         self._finish(job)
                 except Exception as err:  # refused: handed to the request
@@ -205,9 +208,10 @@ class Worker:
                     self._finish(entry[0])
             self.batch_steps, self.batch_row_steps = batch.steps, batch.row_steps
 
-    def _batchable(self, job: Job) -> bool:
+    def _plan(self, job: Job):
+        """JOB's batch row plan, or False: it runs alone."""
         try:
-            return self.spec.batch_plan(job.request)[0] is not None
+            return self.spec.batch_plan(job.request)[0] or False
         except Exception:  # the request is wrong: run alone, it fails there with its error
             return False
 
