@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import UsageError
+from .paired import paired_speedup
 
 ENGINES = ("mlxspec batched", "mlxspec serial", "mlx-lm batched")
 MAX_CONCURRENCY = 64
@@ -134,13 +135,6 @@ def join_gaps(spec, running: list[int], join_tokens: int, drafter: str, max_toke
             "worst_gap_ms": round(max(ms), 2) if ms else None}
 
 
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return q[0], statistics.median(xs), q[2]
-
-
 def measure(spec, prompts: list[tuple[list[int], int]], levels: list[int], *, drafter: str = "auto",
             reps: int = 3, temperature: float = 0.0, seed: int = 0, join_tokens: int | None = None,
             on_step=None) -> dict:
@@ -174,10 +168,9 @@ def measure(spec, prompts: list[tuple[list[int], int]], levels: list[int], *, dr
                     "tokens": sum(len(t) for t in mine[0].tokens)}
             for base in ("mlxspec serial", "mlx-lm batched"):
                 if base != engine:
-                    ratios = [r.aggregate / b.aggregate for r, b in zip(mine, runs[base])]
-                    q1, med, q3 = _quartiles(ratios)
+                    paired = paired_speedup([r.aggregate for r in mine], [b.aggregate for b in runs[base]])
                     key = "vs_serial" if base == "mlxspec serial" else "vs_mlx_lm_batched"
-                    cell[key], cell[key + "_iqr"] = round(med, 3), [round(q1, 3), round(q3, 3)]
+                    cell[key], cell[key + "_iqr"] = paired["speedup"], paired["speedup_iqr"]
             if engine == "mlxspec batched":
                 cell["identical"] = identical
             cells.append(cell)
@@ -200,7 +193,9 @@ def render(doc: dict, console) -> None:
         table.add_column(col, justify="right" if col not in ("engine",) else "left")
     for c in doc["cells"]:
         def ratio(key):
-            return f"{c[key]:.2f}x [{c[key + '_iqr'][0]:.2f}-{c[key + '_iqr'][1]:.2f}]" if key in c else "-"
+            if c.get(key) is None:  # the engine itself, or a run too short to time
+                return "-"
+            return f"{c[key]:.2f}x [{c[key + '_iqr'][0]:.2f}-{c[key + '_iqr'][1]:.2f}]"
         identical = c.get("identical")
         table.add_row(str(c["concurrency"]), c["engine"], f"{c['aggregate_tps']:.1f}", f"{c['per_request_tps']:.1f}",
                       ratio("vs_serial"), ratio("vs_mlx_lm_batched"),
