@@ -164,10 +164,6 @@ class RaggedCache:
         """Row ROW's cache alone, as a single request's (for the prefix cache)."""
         return snapshot_caches([layer.extract(row) for layer in self.layers], self.length(row))
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.layers is None else sum(layer.nbytes for layer in self.layers)
-
 
 def _arrays_row(c: ArraysCache) -> ArraysCache:
     """A prefilled recurrent cache as a batch of one (no padding: its mask stays None)."""

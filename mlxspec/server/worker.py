@@ -83,8 +83,7 @@ class Worker:
         self._waiting: deque[Job] = deque()
         self._ready = threading.Condition()
         self._running: list[Job] = []
-        self.batch_steps = 0  # batched forwards run, and the rows they served (for /metrics)
-        self.batch_row_steps = 0
+        self._batch = None  # the batch engine, once the worker runs one
         self._thread = threading.Thread(target=self._run, name="mlxspec-generation", daemon=True)
         self._thread.start()
 
@@ -95,6 +94,16 @@ class Worker:
     @property
     def running(self) -> int:
         return len(self._running)
+
+    @property
+    def batch_steps(self) -> int:
+        """Batched forwards run (for /metrics)."""
+        return self._batch.steps if self._batch is not None else 0
+
+    @property
+    def batch_row_steps(self) -> int:
+        """Rows those batched forwards served, summed."""
+        return self._batch.row_steps if self._batch is not None else 0
 
     @property
     def depth(self) -> int:
@@ -169,7 +178,7 @@ class Worker:
 
     # -- batching ---------------------------------------------------------------------
     def _run_batched(self) -> None:
-        batch = self.spec.batch(self.max_batch)
+        batch = self._batch = self.spec.batch(self.max_batch)
         rows: list[tuple[Job, Iterator]] = []
         while True:
             with self._ready:
@@ -206,7 +215,6 @@ class Worker:
                 if not self._advance(*entry):
                     rows.remove(entry)
                     self._finish(entry[0])
-            self.batch_steps, self.batch_row_steps = batch.steps, batch.row_steps
 
     def _plan(self, job: Job):
         """JOB's batch row plan, or False: it runs alone."""
