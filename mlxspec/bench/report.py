@@ -100,6 +100,14 @@ def real_shapes_document(result: dict) -> dict:
             "real_shapes": result}
 
 
+def real_concurrency_document(result: dict) -> dict:
+    """``bench --real-shapes SHAPE --concurrency``: ``device``, ``baseline`` and ``cells`` at the top."""
+    env = environment()
+    name = env["device_info"].get("device_name") or env["device"]
+    return {"schema": SCHEMA, "kind": "real_concurrency", "device": name, "mlx": env["mlx"],
+            "baseline": result["baseline"], "cells": result["cells"], "environment": env, "real_concurrency": result}
+
+
 def chat_document(models: list[dict], config: dict) -> dict:
     """The JSON of ``bench --chat``: the plan (config) and, per model, every run and the
     per-turn medians (:func:`mlxspec.bench.chat.run_chat`)."""

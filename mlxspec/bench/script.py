@@ -136,7 +136,7 @@ def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed
     """The workload ``name`` over ids below ``vocab``: a prompt of ``prompt_tokens`` random ids
     from the lower half of the vocabulary, then ``max_tokens`` + ``margin`` scripted ones (the
     margin covers drafts past the end)."""
-    a = parse_workload(name)
+    parse_workload(name)
     rng = random.Random(f"{name}/{seed}")
     half = max(vocab // 2, 2)
     prompt = [rng.randrange(1, half) for _ in range(prompt_tokens)]
@@ -157,11 +157,17 @@ def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed
             src += 1
     else:  # novel and scripted: ids from the upper half, never in the prompt
         out = [rng.randrange(half, vocab) for _ in range(n)]
-    target = prompt + out
+    return steered_script(name, prompt, prompt + out, vocab, seed)
+
+
+def steered_script(name: str, prompt: list[int], target: list[int], vocab: int, seed: int) -> Script:
+    """The Script of workload NAME over TARGET (prompt + continuation): its drafters' steering
+    (a profile's events, or scripted-aA's wrong tokens), decided from NAME and SEED."""
+    a = parse_workload(name)
     drafted = list(target)
     if name in PROFILES:
         gen = np.random.default_rng(list(f"profile/{name}/{seed}".encode()))
-        shape = (n + 2, PROFILE_DEPTH)
+        shape = (len(target) - len(prompt) + 2, PROFILE_DEPTH)
         events = (gen.random(shape), gen.integers(0, vocab - 1, shape), gen.integers(0, max(vocab - 2, 1), shape))
         return Script(name, prompt, target, drafted, None, PROFILES[name], events, vocab)
     if a is not None:
@@ -170,6 +176,52 @@ def make_script(name: str, vocab: int, prompt_tokens: int, max_tokens: int, seed
             if steer.random() >= a:  # a wrong token, never the target's
                 drafted[p] = (target[p] + 1 + steer.randrange(vocab - 1)) % vocab
     return Script(name, prompt, target, drafted, a, vocab=vocab)
+
+
+def make_follow_scripts(name: str, vocab: int, requests: int, prompt_tokens: int, max_tokens: int,
+                        seed: int = 0, margin: int = 32) -> tuple[np.ndarray, list[Script]]:
+    """REQUESTS scripts of workload NAME that one successor table drives (``ScriptedLogits.follow``):
+    (table, scripts), where each script's continuation is the chain ``table[x]`` from its prompt's
+    last token, so the rows of a batch follow their own scripts in any row order. Requests use
+    disjoint tokens: prompts from the lower half of the vocabulary, novel tokens and edits from
+    the upper half. ``echo``: the prompt's tokens follow each other, but at an edit point every
+    ~EDIT_EVERY tokens a new token comes between (and now and then the text jumps elsewhere);
+    the continuation echoes the prompt from a random point (prompt lookup drafts it and misses
+    at the edits). The others: novel tokens, drafters steered as :func:`make_script` steers them."""
+    parse_workload(name)
+    rng = random.Random(f"follow/{name}/{seed}")
+    half = max(vocab // 2, 2)
+    n = max_tokens + margin
+    if requests * prompt_tokens > half - 1 or requests * n > vocab - half:
+        raise UsageError(f"{requests} scripted requests of {prompt_tokens} + {n} tokens do not fit a vocabulary "
+                         f"of {vocab}")
+    lower = rng.sample(range(1, half), requests * prompt_tokens)
+    upper = iter(rng.sample(range(half, vocab), requests * n))
+    table = (np.arange(vocab, dtype=np.int64) + 1) % vocab  # tokens outside every script: any successor
+    scripts = []
+    for r in range(requests):
+        prompt = lower[r * prompt_tokens:(r + 1) * prompt_tokens]
+        table[prompt[:-1]] = prompt[1:]
+        if name == "echo":
+            head = max(prompt_tokens - max_tokens - 16, 1)  # echoing from here never reaches the end
+            i = rng.randint(EDIT_EVERY // 2, EDIT_EVERY * 3 // 2)
+            while i < prompt_tokens - 1:
+                edit = next(upper)
+                resume = prompt[rng.randrange(head)] if rng.random() < 0.3 else prompt[i + 1]
+                table[prompt[i]], table[edit] = edit, resume
+                i += rng.randint(EDIT_EVERY // 2, EDIT_EVERY * 3 // 2)
+            table[prompt[-1]] = prompt[rng.randrange(head)]
+        else:
+            chain = [next(upper) for _ in range(n)]
+            table[prompt[-1]] = chain[0]
+            table[chain[:-1]] = chain[1:]
+            table[chain[-1]] = chain[0]
+        out, x = [], prompt[-1]
+        for _ in range(n):
+            x = int(table[x])
+            out.append(x)
+        scripts.append(steered_script(name, prompt, prompt + out, vocab, seed * 1000 + r))
+    return table, scripts
 
 
 class ScriptedLogits(scripted.ScriptedLogits):

@@ -29,13 +29,19 @@ class ScriptedLogits:
     (in a tree verify, a node's position is the cache offset plus its depth: ``current_tree``
     returns the tree being verified, or None; without it no tree is ever seen).
 
+    With ``follow`` set (a (V,) table of successors) the one-hot is on ``follow[x]`` for the row
+    whose input token is x, whatever its position: the script of every row of a batch, with no
+    row order or cache offsets to know (``script.make_follow_scripts`` builds such tables, where
+    each request's continuation is the chain of successors from its prompt's last token).
+
     The body (tokens -> hidden) notes the positions of its rows from the cache; the lm_head
     call for those rows replaces its output. Other head calls (an MTP head's logits through the
     shared lm_head) keep the real logits."""
 
     def __init__(self, model: nn.Module, table: list[int], current_tree: Callable | None = None):
         self.table = mx.array(table, mx.int32)
-        self.pending: tuple[int, int, list[int] | None] | None = None
+        self.follow: mx.array | None = None
+        self.pending: tuple[int, int, list[int] | None, mx.array] | None = None
         lm = getattr(model, "language_model", model)
         body = lm.model
         base = type(body)
@@ -44,7 +50,7 @@ class ScriptedLogits:
 
         def call(self_, inputs, cache=None, *args, **kwargs):
             tree = tree_now()  # a tree verify: row i sits at offset + depth(i)
-            outer.pending = (cache_offset(cache), inputs.shape[1], None if tree is None else tree.depth)
+            outer.pending = (cache_offset(cache), inputs.shape[1], None if tree is None else tree.depth, inputs)
             return base.__call__(self_, inputs, cache, *args, **kwargs)
 
         # a subclass for this one instance: the model's own __call__ reaches it unchanged
@@ -59,10 +65,13 @@ class ScriptedLogits:
         # the trunk's rows come as (1, n, V); an MTP head's through the same lm_head as (n, V)
         if self.pending is None or logits.ndim != 3 or logits.shape[1] != self.pending[1]:
             return logits
-        (offset, n, depth), self.pending = self.pending, None
-        rows = mx.arange(n) if depth is None else mx.array(depth)
-        where = mx.minimum(offset + 1 + rows, self.table.shape[0] - 1)
-        hot = mx.arange(logits.shape[-1])[None] == self.table[where][:, None]
+        (offset, n, depth, inputs), self.pending = self.pending, None
+        if self.follow is not None:  # (B, n) inputs -> (B, n, V)
+            hot = mx.arange(logits.shape[-1]) == self.follow[inputs][..., None]
+        else:
+            rows = mx.arange(n) if depth is None else mx.array(depth)
+            where = mx.minimum(offset + 1 + rows, self.table.shape[0] - 1)
+            hot = mx.arange(logits.shape[-1])[None] == self.table[where][:, None]
         # the real logits stay a data dependency: their whole lm_head matmul is still computed
         return mx.where(hot, HOT, 0.0).astype(logits.dtype) + logits[..., :1] * 0
 

@@ -109,6 +109,15 @@ class StockBaseline:
         return self.ask(op="run", engine=engine, prompt=list(prompt), target=list(target), drafted=list(drafted),
                         max_tokens=max_tokens, temperature=temperature, seed=seed, draft_depth=draft_depth)
 
+    def follow(self, table) -> None:
+        """The scripted model's rows follow TABLE (a successor per token id) for :meth:`batch`."""
+        self.ask(op="follow", table=[int(t) for t in table])
+
+    def batch(self, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> dict:
+        """mlx-lm's ``BatchGenerator`` over PROMPTS at once: tokens, first_s, last_s per request."""
+        return self.ask(op="batch", prompts=[list(p) for p in prompts], max_tokens=max_tokens,
+                        temperature=temperature, seed=seed)
+
     def stream(self, prompt, max_tokens: int, temperature: float = 0.0, seed: int | None = None,
                draft_depth: int | None = None) -> dict:
         """``mlx_lm.stream_generate`` there, on the checkpoint: tokens, ttft_s, decode_s,

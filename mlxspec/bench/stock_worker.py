@@ -15,8 +15,10 @@ Protocol: one JSON object a line on stdin, one answer a line on stdout (anything
 stdout goes to stderr). Requests: ``{"op": "build", "shape", "bits", "vocab", "draft_shape"}``,
 ``{"op": "run", "engine", "prompt", "target", "drafted", "max_tokens", "temperature", "seed",
 "draft_depth"}`` (a scripted random model), ``{"op": "load", "path", "draft_path"}`` and
-``{"op": "stream", "prompt", "max_tokens", "temperature", "seed", "draft_depth"}`` (a checkpoint,
-through ``mlx_lm.load`` / ``mlx_lm.stream_generate``), ``{"op": "evidence"}``, ``{"op": "quit"}``;
+``{"op": "follow", "table"}`` then ``{"op": "batch", "prompts", "max_tokens", "temperature", "seed"}``
+(the scripted model's rows follow a successor table: mlx-lm's ``BatchGenerator`` over several
+prompts at once), ``{"op": "stream", "prompt", "max_tokens", "temperature", "seed", "draft_depth"}``
+(a checkpoint, through ``mlx_lm.load`` / ``mlx_lm.stream_generate``), ``{"op": "evidence"}``, ``{"op": "quit"}``;
 answers ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. ``--unset-env``: variables
 mlxspec's import sets that the user had not (``MLX_CUDA_GRAPH_CACHE_SIZE``), removed before MLX
 runs anything. :func:`main` takes another :class:`Worker` class: the tests start one that
@@ -61,6 +63,34 @@ def generate(model, draft, prompt: list[int], max_tokens: int, temperature: floa
         stamps.append(time.perf_counter())
         from_draft += bool(item[2]) if len(item) > 2 else 0
     return {"tokens": tokens, "decode_s": stamps[-1] - stamps[0] if stamps else 0.0, "from_draft": from_draft}
+
+
+def batch_generate(model, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int | None) -> dict:
+    """mlx-lm's continuous batching (``BatchGenerator``, no speculation) of PROMPTS at once, each
+    to MAX_TOKENS (no stop tokens). Per request: its tokens and the seconds from the start to
+    its first and its last token."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    gen = BatchGenerator(model, sampler=make_sampler(temp=temperature), completion_batch_size=len(prompts),
+                         prefill_batch_size=len(prompts))
+    try:
+        t0 = time.perf_counter()
+        uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
+        tokens = {u: [] for u in uids}
+        first, last = {}, {}
+        while responses := gen.next_generated():
+            now = time.perf_counter() - t0
+            for r in responses:
+                tokens[r.uid].append(int(r.token))
+                first.setdefault(r.uid, now)
+                last[r.uid] = now
+    finally:
+        gen.close()
+    return {"tokens": [tokens[u] for u in uids], "first_s": [first[u] for u in uids], "last_s": [last[u] for u in uids]}
 
 
 class Worker:
@@ -137,11 +167,30 @@ class Worker:
                 raise RuntimeError(f"{engine} needs a draft model: build gave none")
             draft = self.draft
         self.scripts[0].table = mx.array(target, mx.int32)
+        self.scripts[0].follow = None
         if draft is not None:
             self.scripts[1].table = mx.array(drafted, mx.int32)
         mx.synchronize()
         mx.clear_cache()
         return generate(self.model, draft, prompt, max_tokens, temperature, seed, draft_depth)
+
+    def set_follow(self, table) -> dict:
+        """The scripted target's rows follow TABLE (``ScriptedLogits.follow``) until the next ``run``."""
+        import mlx.core as mx
+
+        if not self.scripts:
+            raise RuntimeError("follow needs a scripted model (build)")
+        self.scripts[0].follow = mx.array(table, mx.int32)
+        return {}
+
+    def batch(self, prompts, max_tokens: int, temperature: float = 0.0, seed: int | None = None) -> dict:
+        import mlx.core as mx
+
+        if not self.scripts or self.scripts[0].follow is None:
+            raise RuntimeError("batch needs a scripted model following a table (build, follow)")
+        mx.synchronize()
+        mx.clear_cache()
+        return batch_generate(self.model, prompts, max_tokens, temperature, seed)
 
     def handle(self, request: dict) -> dict:
         op = request.pop("op", None)
@@ -153,6 +202,10 @@ class Worker:
             return self.run(**request)
         if op == "stream":
             return self.stream(**request)
+        if op == "follow":
+            return self.set_follow(**request)
+        if op == "batch":
+            return self.batch(**request)
         if op == "evidence":
             return {"evidence": self.evidence()}
         raise ValueError(f"unknown op {op!r}")

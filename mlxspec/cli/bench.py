@@ -8,7 +8,7 @@ from typing import Optional
 from ..errors import UsageError
 from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, check_values
 from .app import app
-from .bench_concurrency import run_concurrency
+from .bench_concurrency import run_concurrency, run_real_concurrency_cli
 from .bench_options import (
     DEFAULT_DRAFT,
     DEFAULT_MODEL,
@@ -203,8 +203,15 @@ def bench(
         if concurrency is not None or join_tokens is not None:
             _check(concurrency is not None and (join_tokens is None or join_tokens >= 1),
                    "--join-tokens needs --concurrency and a count of at least 1")
-            _check(not chat and sweep is None and real_shapes is None,
-                   "--concurrency is a benchmark of its own: give no --chat, --sweep or --real-shapes")
+            _check(not chat and sweep is None, "--concurrency is a benchmark of its own: give no --chat or --sweep")
+            if real_shapes is not None:
+                _check(model is None and draft_model is None,
+                       "--real-shapes builds its own random models: give no MODEL or --draft-model")
+                _check_bits(bits)
+                return run_real_concurrency_cli(real_shapes, concurrency, bits=bits, workloads=workloads,
+                                                prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128,
+                                                reps=reps or 8, seed=seed, join_tokens=join_tokens,
+                                                json_path=json_path, progress=_progress)
             return run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(),
                                    workloads, prompts, max_tokens, reps, drafter, temperature, seed, json_path,
                                    _progress, join_tokens)

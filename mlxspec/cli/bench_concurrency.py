@@ -40,3 +40,36 @@ def run_concurrency(model: Optional[str], draft_model: Optional[str], dtype: Opt
     if json_path:
         write_json(doc, json_path)
         print_note(f"wrote {json_path}")
+
+
+def run_real_concurrency_cli(shape: str, levels_text: str, *, bits: int, workloads: Optional[str], prompt_tokens: int,
+                             max_tokens: int, reps: int, seed: int, join_tokens: Optional[int],
+                             json_path: Optional[str], progress) -> None:
+    """``bench --real-shapes SHAPE --concurrency LIST``: bench/real_concurrency.py on one shape."""
+    from ..bench.concurrency import parse_levels
+    from ..bench.prompts import parse_list
+    from ..bench.real_concurrency import render, run_real_concurrency
+    from ..bench.real_shapes import parse_shapes
+    from ..bench.report import real_concurrency_document, write_json
+
+    shapes = parse_shapes(shape)
+    if len(shapes) != 1:
+        raise UsageError("--concurrency with --real-shapes runs one shape at a time (got "
+                         f"{', '.join(shapes)})")
+    levels = parse_levels(levels_text)
+    chosen = parse_list(workloads, "workloads") or ["echo", "mtp-like"]
+
+    def save(result):  # the repetitions done survive a run stopped later
+        if json_path:
+            write_json(real_concurrency_document(result), json_path)
+
+    with progress("real shapes, requests at once") as on_step:
+        result = run_real_concurrency(shapes[0], levels=levels, workloads=chosen, bits=bits,
+                                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps, seed=seed,
+                                      join_tokens=join_tokens, on_step=on_step, on_partial=save)
+    save(result)
+    render(result, stdout_console())
+    if json_path:
+        print_note(f"wrote {json_path}")
+    if not all(c["identical"] for c in result["cells"]):
+        print_note("note: some request's tokens differ from its script (column identical)")

@@ -113,7 +113,9 @@ DrafterOption = Annotated[Optional[str], typer.Option(
 ConcurrencyOption = Annotated[Optional[str], typer.Option(
     "--concurrency", metavar="LIST", show_default=False,
     help="Requests at once, e.g. 1,2,4,8: mlxspec's batch against mlxspec serial and mlx-lm's batched "
-         "decoding (no speculation) on MODEL, --workloads' prompts (default echo), --drafter (default auto).")]
+         "decoding (no speculation) on MODEL, --workloads' prompts (default echo), --drafter (default auto). "
+         "With --real-shapes SHAPE instead of MODEL: a scripted random model of that shape against STOCK "
+         "mlx-lm's batching in a process of its own (workloads echo,mtp-like; prompt lookup / the MTP head).")]
 JoinTokensOption = Annotated[Optional[int], typer.Option(
     "--join-tokens", metavar="N", show_default=False,
     help="With --concurrency: also time a request's gaps while an N-token prompt joins its batch.")]
