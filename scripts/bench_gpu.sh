@@ -32,6 +32,11 @@
 # Knobs: REAL_SHAPES (qwen3-8b), REAL_WORKLOADS (echo,novel,mtp-like), REAL_REPS (8), REAL_TOKENS
 # (max tokens, 128), REAL_TAG, REAL_EXTRA (more flags, e.g. "--depths 1,2,4 --no-temp-pass").
 #
+# concurrency: `bench --real-shapes SHAPE --concurrency` (requests at once against stock mlx-lm's
+# BatchGenerator): REAL_SHAPES (one shape, qwen3-8b), REAL_WORKLOADS (echo,mtp-like), CONCURRENCY
+# (1,2,4), JOIN_TOKENS (a prompt of that many tokens joins the running ones: gaps timed), REAL_REPS,
+# REAL_TOKENS, REAL_TAG, REAL_EXTRA; writes OUTDIR/concurrency-TAG.json after every repetition.
+#
 # Knobs (environment): REPS (3), PROMPTS (all), MAX_TOKENS (each prompt's own), SWEEP (all),
 # SWEEP_TOKENS (16), BITS (4), MODELS (benchmarks/models), WORKLOADS (benchmarks/workloads),
 # PYTHON (python3), EXTRA (more `mlxspec bench` flags).
@@ -87,6 +92,19 @@ for part in "${PARTS[@]}"; do
             mlxspec bench --real-shapes "$shapes" --workloads "$workloads" --reps "${REAL_REPS:-8}" \
                 --max-tokens "${REAL_TOKENS:-128}" --bits "${BITS:-4}" "${extra[@]}" --json "$OUTDIR/real-$tag.json"
             ;;
+        concurrency)
+            # requests at once on one scripted real shape against stock mlx-lm's BatchGenerator
+            shape=${REAL_SHAPES:-qwen3-8b}
+            workloads=${REAL_WORKLOADS:-echo,mtp-like}
+            tag=${REAL_TAG:-$(echo "$shape-$workloads" | tr ',.' '_-')}
+            join=()
+            [ -n "${JOIN_TOKENS:-}" ] && join=(--join-tokens "$JOIN_TOKENS")
+            # shellcheck disable=SC2206
+            extra=(${REAL_EXTRA:-})
+            mlxspec bench --real-shapes "$shape" --concurrency "${CONCURRENCY:-1,2,4}" --workloads "$workloads" \
+                --reps "${REAL_REPS:-8}" --max-tokens "${REAL_TOKENS:-128}" --bits "${BITS:-4}" "${join[@]}" \
+                "${extra[@]}" --json "$OUTDIR/concurrency-$tag.json"
+            ;;
         chart)
             if ! "$PYTHON" -c 'import matplotlib' 2>/dev/null; then
                 echo "no matplotlib here: draw the charts later with mlxspec bench --from-json ... --png ..." >&2
@@ -103,7 +121,7 @@ for part in "${PARTS[@]}"; do
             done
             ;;
         *)
-            echo "unknown part '$part' (hybrid, attn, sweep, real, chart)" >&2
+            echo "unknown part '$part' (hybrid, attn, sweep, real, concurrency, chart)" >&2
             exit 2
             ;;
     esac
