@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -132,6 +133,52 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
     assert sum(len(set(j)) > 1 for j in junks) >= 15, junks
 
 
+GREEDY = [0, 1, 6, 7]  # REQUESTS at temperature 0 with nothing reading their rows: pld, none, pld, mtp
+
+
+def run_together(spec, which: list[int]) -> list[list[int]]:
+    """REQUESTS[i] for i in WHICH, all in one batch from the start; each one's tokens."""
+    batch = spec.batch(len(which))
+    streams = [spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]) for i in which]
+    got: list[list[int]] = [[] for _ in which]
+    while any(s is not None for s in streams):
+        for j, stream in enumerate(streams):
+            chunk = next(stream, None) if stream is not None else None
+            if chunk is None:
+                streams[j] = None
+            else:
+                got[j].extend(chunk.tokens)
+    return got
+
+
+def test_greedy_rows_are_decided_together_as_alone(spec, alone, monkeypatch):
+    """Every row greedy with nothing reading its rows: one argmax and one read for the batch
+    (batch.greedy_accept, verifies of different draft lengths and queued plain steps)."""
+    widths = []
+    real = batch_mod.greedy_accept
+    monkeypatch.setattr(batch_mod, "greedy_accept",
+                        lambda logits, drafts: (widths.append(sorted(len(d) for d in drafts)), real(logits, drafts))[1])
+    assert run_together(spec, GREEDY) == [alone[i] for i in GREEDY]
+    assert sum(w[0] != w[-1] for w in widths) >= 5, widths  # rows with drafts of different lengths
+
+
+def test_the_planted_greedy_accept_past_a_short_draft_is_caught(spec, alone, monkeypatch):
+    """PLANTED: a row's pad positions after its shorter draft count as matches."""
+    def planted(logits, drafts):
+        b, w = logits.shape[:2]
+        tokens = batch_mod.greedy_tokens(logits)
+        if w == 1:
+            return mx.zeros((b,), mx.int32), tokens
+        mine = tokens[:, :-1].astype(mx.int32)
+        padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)
+        same = (mine == padded) | (padded < 0)
+        return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
+
+    monkeypatch.setattr(batch_mod, "greedy_accept", planted)
+    got = run_together(spec, GREEDY)
+    assert sum(g != alone[i] for g, i in zip(got, GREEDY)) >= 2
+
+
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
     finished, _, _ = run_schedule(spec, 0, alone, requests=7)
@@ -147,8 +194,8 @@ def test_plain_rows_queue_each_next_step(spec, monkeypatch):
     queued = []
     real = BatchedDecoder._queue_plain
 
-    def spy(self, rows, outs):
-        real(self, rows, outs)
+    def spy(self, rows, **given):
+        real(self, rows, **given)
         queued.append(self._queued is not None)
 
     monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)

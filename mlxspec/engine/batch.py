@@ -79,12 +79,40 @@ class Step:
 
 @dataclass
 class Queued:
-    """A plain step queued behind the last: its rows, their sampled tokens (on the device)
-    and their hidden rows (drafters that read them; else None)."""
+    """A plain step queued behind the last: its rows, their sampled tokens (on the device:
+    OUTS per row, or TOKENS (B, 1) for all rows when every row is greedy, see
+    :func:`greedy_accept`) and their hidden rows (drafters that read them; else None)."""
 
     rows: list[Row]
-    outs: list[mx.array]
+    outs: list[mx.array] | None
     hidden: list[mx.array | None]
+    tokens: mx.array | None = None
+
+
+def greedy_rows(rows: Sequence[Row]) -> bool:
+    """Whether every row samples greedily with nothing reading its rows (no constraint,
+    penalties or logprobs): then one argmax over the batch's logits decides every row."""
+    return all(r.sampling.greedy and not r.rules.reads_rows for r in rows)
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """(B, W, V) logits -> (B, W) tokens, as ``SamplingParams.sample`` picks them greedily:
+    the argmax of the normalized log-probabilities (mlx-lm's plain decoding does the same)."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
+def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.array, mx.array]:
+    """Temperature-0 acceptance of every row at once (``sampling.accept_greedy`` per row):
+    LOGITS (B, W, V), DRAFTS the rows' drafted tokens (at most W - 1 each). Returns
+    (n_accepted (B,), tokens (B, W)): row i keeps its first n_i drafts and then tokens[i, n_i]."""
+    b, w = logits.shape[:2]
+    assert len(drafts) == b and all(len(d) < w for d in drafts), (b, w, [len(d) for d in drafts])
+    tokens = greedy_tokens(logits)
+    if w == 1:
+        return mx.zeros((b,), mx.int32), tokens
+    padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)  # -1: never a token
+    same = tokens[:, :-1].astype(mx.int32) == padded
+    return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
 
 
 @dataclass
@@ -173,9 +201,15 @@ class Row:
         draft = self.drafter.propose(self.tokens, k, self.rules.draft_sampling(self.sampling, self.drafter))
         if draft is None:
             return Step()
-        drafted = len(draft)
-        draft, masks, cut_q = self.rules.cut(draft)
-        return Step(draft, tuple(draft.host_tokens()), masks, cut_q, drafted)
+        return Step(draft, drafted=len(draft))  # its tokens are read by :meth:`read`
+
+    def read(self, step: Step) -> Step:
+        """STEP with its drafted tokens read from the device (every row's drafts were queued
+        first, so the batch waits once, not once a row) and cut by the row's constraint."""
+        if step.draft is None:
+            return step
+        draft, masks, cut_q = self.rules.cut(step.draft)
+        return Step(draft, tuple(draft.host_tokens()), masks, cut_q, step.drafted)
 
     def stays_plain_next(self) -> bool:
         """Whether the step after this plain one is plain too, decided before its token is read
@@ -262,7 +296,11 @@ class BatchedDecoder:
         i = self.rows.index(row)
         if self._queued is not None:  # its share of a queued step goes with it
             q = self._queued
-            q.rows.pop(i), q.outs.pop(i), q.hidden.pop(i)
+            q.rows.pop(i), q.hidden.pop(i)
+            if q.outs is not None:
+                q.outs.pop(i)
+            else:
+                q.tokens = mx.concatenate([q.tokens[:i], q.tokens[i + 1:]])
             if not q.rows:
                 self._queued = None
         if row.prefix_cache is not None and row.error is None:
@@ -322,27 +360,48 @@ class BatchedDecoder:
 
     def _decode(self) -> None:
         rows = list(self.rows)
-        if self._queued is not None:  # a plain step queued by the last one: its rows are these
-            queued, self._queued = self._queued, None
+        queued, self._queued = self._queued, None
+        if queued is not None:  # a plain step queued by the last one: its rows are these
             assert queued.rows == rows
             plans, width, hidden = [Step()] * len(rows), 1, queued.hidden
-            results = [(mx.array(0), out, None) for out in queued.outs]
+            greedy = queued.tokens is not None
+            if greedy:
+                n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens
+            else:
+                results = [(mx.array(0), out, None) for out in queued.outs]
         else:
             plans = [r.plan() for r in rows]
+            mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
+            plans = [r.read(p) for r, p in zip(rows, plans)]
             width = 1 + max(len(p.host) for p in plans)
             inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
             logits, h = self.cache.forward(mx.array(inputs, mx.uint32), any(r.needs_hidden for r in rows))
             assert logits.shape[:2] == (len(rows), width), logits.shape  # (B, W, V)
-            results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
             hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]  # (W, H) each
-        mx.async_eval([res[:2] for res in results])
-        if width == 1:
-            self._queue_plain(rows, [out for _, out, _ in results])
+            greedy = greedy_rows(rows)
+            if greedy:  # one argmax and one read for the whole batch
+                n_acc, tokens = greedy_accept(logits, [p.host for p in plans])
+            else:
+                results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
+        if greedy:
+            mx.async_eval(n_acc, tokens)
+            if width == 1:
+                self._queue_plain(rows, tokens=tokens[:, :1])
+            kept, picks = n_acc.tolist(), tokens.tolist()
+            results = [(n, None, None) for n in kept]
+        else:
+            mx.async_eval([res[:2] for res in results])
+            if width == 1:
+                self._queue_plain(rows, outs=[out for _, out, _ in results])
         junk = []
-        for r, p, (n_acc, out, lg), hid in zip(rows, plans, results, hidden):
-            n = n_acc.item()
+        for i, (r, p, (n_acc, out, lg), hid) in enumerate(zip(rows, plans, results, hidden)):
+            if greedy:
+                n, last = n_acc, picks[i][n_acc]
+            else:
+                n = n_acc.item()
+                last = out[n].item()
             junk.append(width - 1 - n)
-            r.commit(list(p.host[:n]) + [out[n].item()], p, n, lg, None if hid is None else hid[: n + 1])
+            r.commit(list(p.host[:n]) + [last], p, n, lg, None if hid is None else hid[: n + 1])
         self.cache.rollback(junk)
         self.steps += 1
         self.row_steps += len(rows)
@@ -350,14 +409,21 @@ class BatchedDecoder:
             if r.finished:
                 self._leave(r)
 
-    def _queue_plain(self, rows: list[Row], outs: list[mx.array]) -> None:
+    def _queue_plain(self, rows: list[Row], outs: list[mx.array] | None = None, tokens: mx.array | None = None):
         """After a plain step of every row, queue the next one behind it (its inputs are this
-        step's tokens, still on the device) when every row will decode plainly again, as the
-        single-request loop decides it; not while a row is joining (it changes the batch)."""
+        step's tokens, still on the device: OUTS per row, or TOKENS (B, 1) from
+        :func:`greedy_accept`) when every row will decode plainly again, as the single-request
+        loop decides it; not while a row is joining (it changes the batch)."""
         if self.joining or not all(r.stays_plain_next() for r in rows):
             return
-        inputs = mx.stack([o.reshape(1) for o in outs]).astype(mx.uint32)  # (B, 1)
-        logits, h = self.cache.forward(inputs, any(r.needs_hidden for r in rows))
+        inputs = tokens if tokens is not None else mx.stack([o.reshape(1) for o in outs])
+        logits, h = self.cache.forward(inputs.astype(mx.uint32), any(r.needs_hidden for r in rows))  # (B, 1, V)
+        hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]
+        if tokens is not None:
+            nxt = greedy_tokens(logits)  # (B, 1)
+            mx.async_eval(nxt)
+            self._queued = Queued(list(rows), None, hidden, nxt)
+            return
         nxt = [r.sampling.sample(logits[i, :1]) for i, r in enumerate(rows)]
         mx.async_eval(nxt)
-        self._queued = Queued(list(rows), nxt, [h[i] if r.needs_hidden else None for i, r in enumerate(rows)])
+        self._queued = Queued(list(rows), nxt, hidden)

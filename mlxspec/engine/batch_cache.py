@@ -129,10 +129,8 @@ class RaggedCache:
             for layer in kv:
                 layer.trim(common)
         rest = [j - common for j in junk]
-        if any(rest):
-            for layer in kv:
-                layer.prepare(right_padding=rest)
-                layer.finalize()
+        if any(rest) and kv:
+            roll_rows(kv, rest)
         if self._recurrent and any(junk):
             self._replay(junk)
 
@@ -163,6 +161,25 @@ class RaggedCache:
     def snapshot(self, row: int) -> Snapshot | None:
         """Row ROW's cache alone, as a single request's (for the prefix cache)."""
         return snapshot_caches([layer.extract(row) for layer in self.layers], self.length(row))
+
+
+def roll_rows(layers: list[BatchKVCache], shifts: list[int]) -> None:
+    """Roll row i of every layer right by SHIFTS[i] along the sequence, its padding growing as
+    much: what ``BatchKVCache.prepare(right_padding=...)`` and ``finalize`` do, with the gather
+    index, offsets and paddings built once for all layers (every layer holds the same rows at
+    the same places), so a step pays one gather per keys and values array and nothing else.
+    The layers then share their offset and padding arrays: mlx-lm replaces them, never
+    updates them in place, outside ``prepare`` (empty caches) and ``finalize`` (not used)."""
+    by = mx.array(shifts)
+    offset, padding = layers[0].offset - by, layers[0].left_padding + by
+    index: dict[int, mx.array] = {}
+    for layer in layers:
+        n = layer.keys.shape[2]
+        if n not in index:  # (B, 1, n, 1): row b's slot t takes slot (t - shift_b) mod n
+            index[n] = ((mx.arange(n)[None] - by[:, None]) % n)[:, None, :, None]
+        layer.keys = mx.take_along_axis(layer.keys, index[n], axis=2)
+        layer.values = mx.take_along_axis(layer.values, index[n], axis=2)
+        layer.offset, layer.left_padding = offset, padding
 
 
 def _arrays_row(c: ArraysCache) -> ArraysCache:
