@@ -85,7 +85,7 @@ class ConcurrencyBench:
         from ..engine.costs import measure_verify_cost
         from .real_shapes import forward_ms, mtp_step_ms
         from .script import ScriptedLogits, make_follow_scripts, parse_workload
-        from .stock import StockBaseline
+        from .stock import StockBaseline, build_beside
         from .synthetic import random_model, random_mtp_head, shape_config, vocab_size
 
         say = on_step or (lambda *a: None)
@@ -100,17 +100,13 @@ class ConcurrencyBench:
             self.tables[w], self.scripts[w] = make_follow_scripts(w, vocab, requests, prompt_tokens, max_tokens, seed)
         say(f"{shape}: building the target ({bits}-bit)")
         self.stock = StockBaseline(shape, bits=bits, vocab=vocab, wait=False) if stock else None
-        try:
+
+        def build():
             self.model = random_model(shape, bits=bits)
             needs_head = any(w not in LOOKUP_WORKLOADS for w in workloads)
             self.head = random_mtp_head(self.model, shape, bits=bits) if needs_head else None
-            if self.stock is not None:
-                say(f"{shape}: waiting for the stock mlx-lm process (its own model, no mlxspec kernels)")
-                self.stock.ready()
-        except BaseException:
-            if self.stock is not None:
-                self.stock.close()
-            raise
+
+        build_beside(self.stock, build, say, shape)
         self.stock_evidence = self.stock.evidence if self.stock is not None else None
         self.target_nbytes = model_nbytes(self.model)
         self.logits = ScriptedLogits(self.model, [0])
@@ -121,12 +117,10 @@ class ConcurrencyBench:
         self._following = None
 
     def close(self) -> None:
+        """Stop the stock process (its evidence checked once more first: ``stock_evidence``)."""
         if self.stock is not None:
-            try:
-                self.stock_evidence = self.stock.recheck()
-            finally:
-                self.stock.close()
-                self.stock = None
+            stock, self.stock = self.stock, None
+            self.stock_evidence = stock.finish()
 
     def follow(self, workload: str) -> None:
         import mlx.core as mx

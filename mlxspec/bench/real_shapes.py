@@ -133,7 +133,7 @@ class ShapeBench:
         from ..engine.cache import model_nbytes
         from ..engine.costs import measure_tree_factor, measure_verify_cost
         from .script import ScriptedLogits, make_script
-        from .stock import StockBaseline
+        from .stock import StockBaseline, build_beside
         from .synthetic import MOE, dflash_step_ms, random_model, shape_config, tree_ms, vocab_size
 
         say = on_step or (lambda *a: None)
@@ -148,16 +148,12 @@ class ShapeBench:
         self.stock = StockBaseline(shape, bits=bits, vocab=vocab, wait=False,
                                    draft_shape=self._draft_shape(shape, workloads) if self.dense else None
                                    ) if stock else None
-        try:
+
+        def build():
             self.model = random_model(shape, bits=bits)
             self._build_drafters(shape, bits, vocab, workloads, say)
-            if self.stock is not None:
-                say(f"{shape}: waiting for the stock mlx-lm process (its own model, no mlxspec kernels)")
-                self.stock.ready()
-        except BaseException:
-            if self.stock is not None:
-                self.stock.close()
-            raise
+
+        build_beside(self.stock, build, say, shape)
         self.stock_evidence = self.stock.evidence if self.stock is not None else None
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)
@@ -198,11 +194,8 @@ class ShapeBench:
     def close(self) -> None:
         """Stop the stock mlx-lm process (its evidence checked once more first: ``stock_evidence``)."""
         if self.stock is not None:
-            try:
-                self.stock_evidence = self.stock.recheck()
-            finally:
-                self.stock.close()
-                self.stock = None
+            stock, self.stock = self.stock, None
+            self.stock_evidence = stock.finish()
 
     def _build_drafters(self, shape: str, bits: int, vocab: int, workloads, say) -> None:
         """The assistant (Gemma-4), else the MTP head, the draft model (when a workload runs it)

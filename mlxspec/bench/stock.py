@@ -37,6 +37,20 @@ def started_without(names=(GRAPH_CACHE_ENV,)) -> list[str]:
     return [n for n in names if n not in initial]
 
 
+def build_beside(stock: StockBaseline | None, build, say, shape: str) -> None:
+    """BUILD (this process's models) while STOCK builds its own copy, then wait for STOCK's;
+    STOCK stops if either fails."""
+    try:
+        build()
+        if stock is not None:
+            say(f"{shape}: waiting for the stock mlx-lm process (its own model, no mlxspec kernels)")
+            stock.ready()
+    except BaseException:
+        if stock is not None:
+            stock.close()
+        raise
+
+
 class StockBaseline:
     """One stock mlx-lm process for one model: a random one of ``shape`` (``bits``, ``vocab``,
     ``draft_shape``: :meth:`run` generates with its logits scripted), or the checkpoint at
@@ -97,6 +111,14 @@ class StockBaseline:
         why = failures(self.evidence)
         if why or not self.evidence["stock"]:
             raise NotStock("the mlx-lm baseline process is not stock mlx-lm: " + "; ".join(why or ["not stock"]))
+
+    def finish(self) -> dict:
+        """The evidence checked once more (after the runs: nothing may have changed it), then
+        the process stops, whatever the check said."""
+        try:
+            return self.recheck()
+        finally:
+            self.close()
 
     def recheck(self) -> dict:
         """The evidence again (after the runs: nothing may have changed it), checked."""
