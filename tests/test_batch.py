@@ -179,6 +179,109 @@ def test_the_planted_greedy_accept_past_a_short_draft_is_caught(spec, alone, mon
     assert sum(g != alone[i] for g, i in zip(got, GREEDY)) >= 2
 
 
+class Oracle(PromptLookupDrafter):
+    """A host drafter that proposes SCRIPT from each position, wrong at every 23rd, at no cost
+    (so most verifies keep every draft and the next verify can be guessed and queued)."""
+
+    def __init__(self, script: list[int]):
+        super().__init__()
+        self.script = script
+
+    def _from(self, start: int, k: int) -> list[int]:
+        at = lambda p: (self.script[p] if p < len(self.script) else 0) + (p % 23 == 0)  # noqa: E731
+        return [at(p) for p in range(start, start + k)] if k > 0 else []
+
+    def lookup(self, tokens, k):
+        return self._from(len(tokens), k)
+
+    def peek(self, tokens, extra, k):
+        return self._from(len(tokens) + len(extra), k)
+
+
+def oracle_rows(spec, which: list[int]) -> list[tuple]:
+    """(prompt ids, sampling, seed, script) of REQUESTS[i] for i in WHICH: the script is the
+    request's greedy output (alone), which seeded rows follow less often."""
+    rows = []
+    for i in which:
+        prompt, o = REQUESTS[i]
+        ids = spec.encode(prompt)
+        greedy = spec.generate(ids, reuse=False, max_tokens=o["max_tokens"]).tokens
+        rows.append((ids, SamplingParams(o.get("temperature", 0.0), o.get("top_p", 1.0), o.get("top_k", 0)),
+                     o.get("seed"), ids + greedy, o["max_tokens"]))
+    return rows
+
+
+def run_oracle_batch(spec, rows) -> tuple[list[list[int]], list]:
+    """The rows (oracle_rows) decoded together at depth 3, gates off; their tokens and stats."""
+    batch = BatchedDecoder(spec.target.model, len(rows))
+    added = [batch.add(ids, sampling=s, max_tokens=n, stop_tokens=set(), seed=seed,
+                       plan=RowPlan(Oracle(script), 3, 3, gates=False)) for ids, s, seed, script, n in rows]
+    streams = [r.updates() for r in added]
+    got: list[list[int]] = [[] for _ in rows]
+    while any(st is not None for st in streams):
+        for j, st in enumerate(streams):
+            item = next(st, None) if st is not None else None
+            if item is None:
+                streams[j] = None
+            else:
+                got[j].extend(item[0])
+    return got, [r.stats for r in added]
+
+
+def oracle_alone(spec, row) -> list[int]:
+    from mlxspec.engine.speculate import SpeculativeDecoder
+
+    ids, s, seed, script, n = row
+    dec = SpeculativeDecoder(spec.target.model, drafter=Oracle(script), depth=3, gates=False)
+    return [t for new, _ in dec.generate(ids, sampling=s, max_tokens=n, seed=seed) for t in new]
+
+
+AHEAD = [0, 6, 2, 4]  # no rules: greedy rows and seeded > 0 rows
+
+
+def test_queued_verifies_keep_every_row_as_alone(spec, monkeypatch):
+    """Every verify's successor queued whatever the hit rate (batch_ahead.py): the hits are used,
+    the misses rolled back from every row; each row's tokens stay its tokens alone. A guess is
+    all or nothing for the batch: one row a batch (a request alone, the case it is for), then
+    two greedy rows together."""
+    from mlxspec.engine import batch_ahead
+
+    monkeypatch.setattr(batch_ahead.AheadGate, "ON_AT", 0.0)
+    rows = oracle_rows(spec, AHEAD)
+    used = dropped = 0
+    for row in rows:
+        got, stats = run_oracle_batch(spec, [row])
+        assert got == [oracle_alone(spec, row)]
+        used, dropped = used + stats[0].queued_used, dropped + stats[0].queued_dropped
+    assert used >= 10 and dropped >= 5, (used, dropped)
+    got, stats = run_oracle_batch(spec, rows[:2])
+    assert got == [oracle_alone(spec, r) for r in rows[:2]] and sum(s.queued_used for s in stats) >= 4
+
+
+def test_the_planted_queued_verify_taken_unchecked_is_caught(spec, monkeypatch):
+    """PLANTED: the queued forward is used without checking the verify it guessed (every draft
+    kept, the target's token) nor that the next plan is the guess."""
+    from mlxspec.engine import batch_ahead
+
+    monkeypatch.setattr(batch_ahead.AheadGate, "ON_AT", 0.0)
+
+    def planted(self, rows, plans, width):
+        g, self.guess = self.guess, None
+        if g is None or g.logits is None:
+            return None
+        if g.width == width and g.rows == list(rows):
+            return g.logits
+        self.cache.rollback([g.width] * len(g.rows))
+        return None
+
+    rows = oracle_rows(spec, AHEAD)
+    want = [oracle_alone(spec, row) for row in rows]
+    monkeypatch.setattr(batch_ahead.BatchAhead, "settle", planted)
+    monkeypatch.setattr(batch_ahead.BatchAhead, "confirmed", lambda self, plans, kept, last: 0)
+    got = [run_oracle_batch(spec, [row])[0][0] for row in rows]
+    assert sum(g != w for g, w in zip(got, want)) >= 2
+
+
 def test_the_planted_uniform_rollback_is_caught(spec, alone, monkeypatch):
     monkeypatch.setattr(batch_cache.RaggedCache, "rollback", common_junk_only)
     finished, _, _ = run_schedule(spec, 0, alone, requests=7)

@@ -201,20 +201,11 @@ def bench(
                       max_tokens=max_tokens)
         _check_png(png_path)  # before minutes of measuring, not after
         if concurrency is not None or join_tokens is not None:
-            _check(concurrency is not None and (join_tokens is None or join_tokens >= 1),
-                   "--join-tokens needs --concurrency and a count of at least 1")
             _check(not chat and sweep is None, "--concurrency is a benchmark of its own: give no --chat or --sweep")
-            if real_shapes is not None:
-                _check(model is None and draft_model is None,
-                       "--real-shapes builds its own random models: give no MODEL or --draft-model")
-                _check_bits(bits)
-                return run_real_concurrency_cli(real_shapes, concurrency, bits=bits, workloads=workloads,
-                                                prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128,
-                                                reps=reps or 8, seed=seed, join_tokens=join_tokens,
-                                                json_path=json_path, progress=_progress)
-            return run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(),
-                                   workloads, prompts, max_tokens, reps, drafter, temperature, seed, json_path,
-                                   _progress, join_tokens)
+            return _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_shapes, bits=bits,
+                                    workloads_dir=workloads_dir, workloads=workloads, prompts=prompts,
+                                    max_tokens=max_tokens, reps=reps, drafter=drafter, temperature=temperature,
+                                    seed=seed, prompt_tokens=prompt_tokens, json_path=json_path)
         chat_flags = {"--chat-shapes": chat_shapes, "--chat-turns": chat_turns, "--chat-context": chat_context,
                       "--chat-user-tokens": chat_user_tokens, "--drafter": drafter}
         given = [flag for flag, value in chat_flags.items() if value is not None]
@@ -241,6 +232,23 @@ def bench(
                          prompts=prompts, max_tokens=max_tokens, engines=engines, draft_depth=draft_depth,
                          depth=depth, reps=reps, temperature=temperature, temp_pass=temp_pass, seed=seed,
                          gates=gates, outputs=outputs)
+
+
+def _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_shapes, *, bits, workloads_dir,
+                     workloads, prompts, max_tokens, reps, drafter, temperature, seed, prompt_tokens,
+                     json_path) -> None:
+    """``bench --concurrency``: on MODEL, or with --real-shapes on a scripted random model."""
+    _check(concurrency is not None and (join_tokens is None or join_tokens >= 1),
+           "--join-tokens needs --concurrency and a count of at least 1")
+    if real_shapes is not None:
+        _check(model is None and draft_model is None,
+               "--real-shapes builds its own random models: give no MODEL or --draft-model")
+        _check_bits(bits)
+        return run_real_concurrency_cli(real_shapes, concurrency, bits=bits, workloads=workloads,
+                                        prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128, reps=reps or 8,
+                                        seed=seed, join_tokens=join_tokens, json_path=json_path, progress=_progress)
+    return run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(), workloads,
+                           prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress, join_tokens)
 
 
 def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens) -> None:

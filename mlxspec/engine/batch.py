@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
 from ..errors import UsageError
+from .batch_ahead import BatchAhead
 from .batch_cache import RaggedCache
 from .cache import ModelState
 from .drafters.base import Draft, Drafter
@@ -257,6 +258,7 @@ class BatchedDecoder:
         self.rows: list[Row] = []  # in the cache's row order
         self.joining: deque[Row] = deque()
         self._queued: Queued | None = None  # a plain step queued behind the last one
+        self._ahead = BatchAhead(self.cache)  # a verify queued behind the last one (batch_ahead.py)
         self.steps = 0  # batched forwards run
         self.row_steps = 0  # rows those forwards served, summed
 
@@ -294,6 +296,7 @@ class BatchedDecoder:
 
     def _leave(self, row: Row) -> None:
         i = self.rows.index(row)
+        self._ahead.drop()
         if self._queued is not None:  # its share of a queued step goes with it
             q = self._queued
             q.rows.pop(i), q.hidden.pop(i)
@@ -334,7 +337,7 @@ class BatchedDecoder:
         try:
             self._decode()
         except Exception as err:  # one forward for all: every row in it ends with it
-            self._queued = None
+            self._queued = self._ahead.guess = None
             for r in list(self.rows):
                 r.error = err
                 self._leave(r)
@@ -353,6 +356,7 @@ class BatchedDecoder:
             row.gate.flush(row.stats.record_gate)
 
     def _join(self, row: Row) -> None:
+        self._ahead.drop()
         # an empty cache (a 1-token prompt) joins as a row of zero length
         self.cache.join(row.state.cache)
         row.state = None
@@ -374,10 +378,14 @@ class BatchedDecoder:
             mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
             plans = [r.read(p) for r, p in zip(rows, plans)]
             width = 1 + max(len(p.host) for p in plans)
-            inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
-            logits, h = self.cache.forward(mx.array(inputs, mx.uint32), any(r.needs_hidden for r in rows))
+            logits = self._ahead.settle(rows, plans, width)  # the verify queued last step, if it is this one
+            if logits is None:
+                inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
+                logits, h = self.cache.forward(mx.array(inputs, mx.uint32), any(r.needs_hidden for r in rows))
+                hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]  # (W, H) each
+            else:  # rows that guess read no hidden states
+                hidden = [None] * len(rows)
             assert logits.shape[:2] == (len(rows), width), logits.shape  # (B, W, V)
-            hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]  # (W, H) each
             greedy = greedy_rows(rows)
             if greedy:  # one argmax and one read for the whole batch
                 n_acc, tokens = greedy_accept(logits, [p.host for p in plans])
@@ -385,22 +393,25 @@ class BatchedDecoder:
                 results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
         if greedy:
             mx.async_eval(n_acc, tokens)
-            if width == 1:
-                self._queue_plain(rows, tokens=tokens[:, :1])
-            kept, picks = n_acc.tolist(), tokens.tolist()
-            results = [(n, None, None) for n in kept]
         else:
             mx.async_eval([res[:2] for res in results])
-            if width == 1:
-                self._queue_plain(rows, outs=[out for _, out, _ in results])
+        if width == 1:
+            self._queue_plain(rows, **({"tokens": tokens[:, :1]} if greedy else {"outs": [o for _, o, _ in results]}))
+        elif not self.joining and BatchAhead.can_guess(rows, self.cache):
+            guess = self._ahead.make(rows, plans, width)
+            if guess is not None:
+                self._ahead.queue(guess, PAD)
+        if greedy:
+            kept, picks = n_acc.tolist(), tokens.tolist()
+            lasts = [picks[i][n] for i, n in enumerate(kept)]
+            results = [(None, None, None)] * len(rows)
+        else:
+            kept = [n.item() for n, _, _ in results]
+            lasts = [out[n].item() for n, (_, out, _) in zip(kept, results)]
+        extra = self._ahead.confirmed(plans, kept, lasts)  # a queued verify that no longer holds
         junk = []
-        for i, (r, p, (n_acc, out, lg), hid) in enumerate(zip(rows, plans, results, hidden)):
-            if greedy:
-                n, last = n_acc, picks[i][n_acc]
-            else:
-                n = n_acc.item()
-                last = out[n].item()
-            junk.append(width - 1 - n)
+        for r, p, n, last, (_, _, lg), hid in zip(rows, plans, kept, lasts, results, hidden):
+            junk.append(width - 1 - n + extra)
             r.commit(list(p.host[:n]) + [last], p, n, lg, None if hid is None else hid[: n + 1])
         self.cache.rollback(junk)
         self.steps += 1

@@ -69,6 +69,11 @@ class RaggedCache:
         self._trunk = None  # body and head apart, for drafters that read hidden states
 
     @property
+    def recurrent(self) -> bool:
+        """Whether some layer is recurrent (GatedDeltaNet): its tape covers one forward."""
+        return bool(self._recurrent)
+
+    @property
     def rows(self) -> int:
         if self.layers is None:
             return 0
