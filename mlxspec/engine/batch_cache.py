@@ -77,29 +77,39 @@ class RaggedCache:
     def rows(self) -> int:
         if self.layers is None:
             return 0
+        if any(isinstance(c, KVCache) for c in self.layers):
+            return 1
         kv = next((c for c in self.layers if isinstance(c, BatchKVCache)), None)
         return kv.offset.shape[0] if kv is not None else self.layers[0].batch_size
 
     def join(self, row_cache: list) -> None:
-        """Append a row: ROW_CACHE is one request's prefilled per-layer cache (B = 1)."""
-        new = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
+        """Append a row: ROW_CACHE is one request's prefilled per-layer cache (B = 1). A row
+        alone keeps its own KV caches, so it runs the single-request loop's very forward (no
+        padding mask, every verify kernel); a second row turns them into batch caches."""
         if self.layers is None:
-            self.layers = new
-            self._recurrent = [c for c in new if isinstance(c, ArraysCache)]
+            self.layers = [c if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
+            self._recurrent = [c for c in self.layers if isinstance(c, ArraysCache)]
             if self._recurrent and self._gdn is None:
-                self._gdn = tape_layers(self.model, new)
+                self._gdn = tape_layers(self.model, self.layers)
             return
+        self.layers = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else c for c in self.layers]
+        new = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
         for layer, row in zip(self.layers, new, strict=True):
             layer.extend(row)
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only ROWS (indices, in their new order); the rest leave."""
+        """Keep only ROWS (indices, in their new order); the rest leave. One row left gets its
+        own KV caches back (see :meth:`join`)."""
         if not rows:
             self.layers, self._recurrent = None, []
+            return
+        if self.rows == 1:
             return
         index = mx.array(rows, mx.int32)
         for layer in self.layers:
             layer.filter(index)
+        if len(rows) == 1:
+            self.layers = [c.extract(0) if isinstance(c, BatchKVCache) else c for c in self.layers]
 
     def forward(self, inputs: mx.array, hidden: bool = False) -> tuple[mx.array, mx.array | None]:
         """The model on INPUTS (B, W) over these caches: logits (B, W, V) and with HIDDEN the
@@ -128,6 +138,9 @@ class RaggedCache:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of
         the last :meth:`forward`."""
         assert len(junk) == self.rows, (len(junk), self.rows)
+        for c in self.layers:  # a row alone (its own KV caches)
+            if isinstance(c, KVCache) and junk[0]:
+                c.trim(junk[0])
         kv = [c for c in self.layers if isinstance(c, BatchKVCache)]
         common = min(junk)
         if common:
@@ -160,11 +173,16 @@ class RaggedCache:
 
     def length(self, row: int) -> int:
         """Tokens row ROW holds."""
-        layer = next(c for c in self.layers if isinstance(c, BatchKVCache))
+        layer = next(c for c in self.layers if isinstance(c, (BatchKVCache, KVCache)))
+        if isinstance(layer, KVCache):
+            return layer.offset
         return layer.size() - int(layer.left_padding[row].item())
 
     def snapshot(self, row: int) -> Snapshot | None:
         """Row ROW's cache alone, as a single request's (for the prefix cache)."""
+        if self.rows == 1:
+            return snapshot_caches([c.extract(0) if isinstance(c, ArraysCache) else c for c in self.layers],
+                                   self.length(row))
         return snapshot_caches([layer.extract(row) for layer in self.layers], self.length(row))
 
 
