@@ -16,11 +16,13 @@ from .engine.batch_cache import batch_refusal
 from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
+from .engine.ranks import checked, same_seed
 from .engine.row_rules import RowRules
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
 from .errors import DrafterError, InvalidCheckpointError, ModelNotFoundError, UsageError
 from .models.loader import LoadedModel, load_model
+from .models.sharding import world
 
 # DRAFTERS and DEFAULT_PROMPT_CACHE_BYTES stay importable from here: callers of the API read them
 from .options import (  # noqa: F401
@@ -242,10 +244,11 @@ class SpecModel:
         REQUEST says how to generate; keyword OPTIONS are its fields (see
         :class:`GenerationRequest`), over REQUEST's when both are given. With ``reuse`` the
         longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
-        r = _request(request, options)
+        r, group = _request(request, options), self.target.group
+        r = r if group is None else replace(r, seed=same_seed(r.seed, group))  # sharded: all ranks draw alike
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         rules, logprobs = self._rules(r)
-        yield from self._text_chunks(self._decoder(r).generate(
+        steps = self._decoder(r).generate(
             prompt_ids,
             sampling=r.sampling,
             max_tokens=max_tokens,
@@ -259,7 +262,8 @@ class SpecModel:
             logprobs=r.logprobs,
             on_logprobs=logprobs.extend if logprobs is not None else None,
             penalties=r.penalties,
-        ), logprobs)
+        )
+        yield from self._text_chunks(steps if group is None else checked(steps, group), logprobs)
 
     def _prepare(self, prompt, r: GenerationRequest) -> tuple[list[int], int, Sequence[int] | None]:
         """PROMPT's token ids, the max_tokens its context leaves, the prefix cache's checkpoints."""
@@ -343,11 +347,12 @@ class SpecModel:
         name = resolve_drafter(drafter, draft_model, head)
         check_drafter(name, draft_model)
         max_depth = request.max_depth
-        if request.depth is None and name != "none":
+        alone = self.target.group is None  # a sharded run's ranks decide alike: nothing per machine
+        if request.depth is None and name != "none" and alone:
             name, max_depth = self._tuned(request, name, head)
-        # Depth follows this machine's measured verify cost, except in seeded runs, whose
-        # decisions must not depend on timings (they would not repeat).
-        cost = self.verify_cost(request.on_status) if name != "none" and request.seed is None else None
+        # Depth follows this machine's measured verify cost, except in seeded or sharded runs,
+        # whose decisions must not depend on timings (they would not repeat, or differ by rank).
+        cost = self.verify_cost(request.on_status) if name != "none" and request.seed is None and alone else None
         draft_cost = None
         if cost is not None and name != "none":
             from .tuning.storage import stored_draft_cost
@@ -471,7 +476,7 @@ def _request(request: GenerationRequest | None, options: dict) -> GenerationRequ
 def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> SpecModel:
     """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft;
     earlier prompts' caches are kept up to PROMPT_CACHE_BYTES (``SpecModel.prompt_cache``)."""
-    target = load_model(model)
+    target = load_model(model, world())  # world(): the mlx.launch group, None for one process
     if target.tokenizer is None:  # a drafter-only checkpoint (DFlash, Gemma-4 assistant)
         raise UsageError(f"{target.name} is a drafter, not a model: use it as draft_model for its target")
     draft = None

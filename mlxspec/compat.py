@@ -107,3 +107,17 @@ def array_offset_ropes() -> tuple[type, ...]:
     from mlx_lm.models.rope_utils import Llama3RoPE, ProportionalRoPE, SuScaledRoPE, YarnRoPE
 
     return (nn.RoPE, Llama3RoPE, YarnRoPE, SuScaledRoPE, ProportionalRoPE)
+
+
+def sharding_group(module) -> Any:
+    """The ``mx.distributed`` group an mlx-lm layer's ``shard()`` left on it (``sharding_group``:
+    the layer all-sums or gathers its output over it), or None for a whole layer."""
+    return getattr(module, "sharding_group", None)
+
+
+def gather_last_axis(x, group):
+    """mlx-lm's gather of a last axis split over GROUP (``models.base.gather_last_axis``): a
+    sharded lm_head's logits made whole, in rank order."""
+    from mlx_lm.models.base import gather_last_axis as gather
+
+    return gather(x, group)

@@ -19,5 +19,9 @@ class DrafterError(MlxspecError):
     """A drafter cannot be used with this target (mismatched vocabulary, missing head...)."""
 
 
+class RankError(MlxspecError):
+    """The processes of a sharded run (mlx.launch) no longer agree, or one of them is gone."""
+
+
 class UsageError(MlxspecError):
     exit_code = 2

@@ -426,7 +426,10 @@ def plan_run(preset: str | None, model: str | None, drafter: str, draft_model: s
     if caps is not None and caps.draft_found and caps.draft_bytes:
         caps, draft_model = _use_found(caps, profile, notes)
     if caps is not None and caps.model_bytes:
-        load_bytes = caps.model_bytes + (caps.draft_bytes or 0)
+        from .models.sharding import world
+
+        group = world()  # under mlx.launch each machine holds its shard of the target, the draft whole
+        load_bytes = caps.model_bytes // (group.size() if group is not None else 1) + (caps.draft_bytes or 0)
         name = caps.name if not caps.draft_bytes else f"{caps.name} with its draft model"
         warning = hardware.memory_warning(load_bytes, profile, name)
         if warning:

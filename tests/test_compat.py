@@ -137,3 +137,21 @@ def test_hf_tokenizer_is_the_one_inside_mlx_lms_wrapper(shared_tokenizer):
     assert isinstance(inner, PreTrainedTokenizerFast) and inner is not wrapper
     assert inner.encode("hello world") == wrapper.encode("hello world")
     assert compat.hf_tokenizer(inner) is inner
+
+
+def test_shard_leaves_its_group_on_the_layers_that_reduce_and_gather_makes_logits_whole():
+    """mlx-lm's qwen3_5 shard() marks the GatedDeltaNet layers (they all_sum their output) and a
+    vocabulary-split lm_head (its logits are gathered): the tape and the trunk read both marks.
+    A group of one (this process) shards to the whole model."""
+    model = _qwen3_5()
+    lm = model.language_model
+    gdn = lm.model.layers[0].linear_attn
+    assert compat.sharding_group(gdn) is None and compat.sharding_group(lm) is None
+    tokens = mx.array([[1, 2, 3]])
+    whole = model(tokens)
+    group = mx.distributed.init()
+    model.shard(group)
+    assert compat.sharding_group(gdn) is group and compat.sharding_group(lm) is group
+    logits = compat.gather_last_axis(lm.lm_head(mx.ones((1, 3, 64))), group)
+    assert logits.shape == (1, 3, 64)
+    assert mx.allclose(model(tokens), whole, atol=1e-5)

@@ -12,16 +12,29 @@ from . import models  # isort: skip
 from . import machine  # isort: skip
 from . import bench  # isort: skip
 from . import serve  # isort: skip
+from ..models.sharding import launch_rank
 from ..options import DRAFTERS
 from .app import app
-from .console import DEBUG_ENV, print_error
+from .console import DEBUG_ENV, print_error, quiet_rank
 
 COMMAND_MODULES = (run, models, machine, bench, serve)  # imported for their commands, in --help's order
 __all__ = ["DRAFTERS", "app", "main"]
+# commands that would serve, time or measure the model apart on every rank of an mlx.launch run
+# (each rank its own server, its own timings: the ranks' collectives would wait on each other)
+UNSHARDED_COMMANDS = ("serve", "bench", "tune", "profile")
 
 
 def main() -> None:
     """Console-script entry point: no tracebacks for anything the user can fix."""
+    rank = launch_rank()
+    if rank:  # a follower of a sharded run (mlx.launch): rank 0 alone prints
+        quiet_rank(rank)
+    if rank is not None:
+        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+        if command in UNSHARDED_COMMANDS:
+            print_error(f"`mlxspec {command}` does not run under mlx.launch: only `mlxspec run` shards a model "
+                        "(docs/distributed.md)")
+            sys.exit(2)
     try:
         app(prog_name="mlxspec")
     except MlxspecError as err:

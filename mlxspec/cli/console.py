@@ -108,6 +108,34 @@ def print_note(message: str) -> None:
     sys.stderr.flush()
 
 
+class ErrorLines:
+    """A stderr that passes on only the CLI's error lines, each marked with its rank: what a
+    follower of a sharded run (mlx.launch) shows, where rank 0 alone prints."""
+
+    def __init__(self, stream, rank: int):
+        self.stream, self.rank = stream, rank
+
+    def write(self, text: str) -> int:
+        if text.startswith("error:"):
+            self.stream.write(f"error: rank {self.rank}:{text[len('error:'):]}")
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:  # no colours, spinners or live displays
+        return False
+
+
+def quiet_rank(rank: int) -> None:
+    """Rank RANK (not 0) of a sharded run: no output, no notes, no progress; its errors alone
+    (everything with MLXSPEC_DEBUG set, tracebacks included)."""
+    sys.stdout = open(os.devnull, "w", encoding="utf-8")
+    if not os.environ.get(DEBUG_ENV):
+        sys.stderr = ErrorLines(sys.stderr, rank)
+
+
 @contextlib.contextmanager
 def user_errors():
     """MlxspecError -> one line on stderr and its exit code; Ctrl-C -> exit 130 quietly."""

@@ -10,6 +10,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
+from ..models.sharding import launched
 from ..options import FLAGS
 from .console import print_note, replaced_note, valid_text
 
@@ -144,6 +145,11 @@ def prompt_text(prompt: Optional[str], chat: bool) -> Optional[str]:
     for the chat."""
     if chat:
         return None
+    if launched():  # mlx.launch forwards its stdin to every rank and never closes it: a read would wait forever
+        if prompt is None or prompt == "-":
+            raise UsageError("under mlx.launch give the prompt as PROMPT or -p/--prompt (stdin is not read: "
+                             "mlx.launch never closes the stdin it forwards)")
+        return prompt
     piped = sys.stdin is not None and not sys.stdin.isatty()
     if prompt is not None and prompt != "-":
         try:

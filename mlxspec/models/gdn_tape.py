@@ -19,7 +19,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
-from ..compat import swap_class
+from ..compat import sharding_group, swap_class
 from ..kernels.gdn import gated_delta_update  # mlx-lm's own, or the CUDA kernel there
 
 
@@ -44,7 +44,7 @@ class _Taping:
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         taping = getattr(cache, "record_tape", False)
-        if not taping or mask is not None or getattr(self, "sharding_group", None) is not None:
+        if not taping or mask is not None:
             return super().__call__(inputs, mask, cache)
         B, S, _ = inputs.shape
         qkv, z, a, b = self._project(inputs)
@@ -69,8 +69,11 @@ class _Taping:
         cache.tape = Tape(conv_input, q, k, v, a, b)
         cache[1] = state
         cache.advance(S)
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, S, -1))
+        out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
+        # a tensor-parallel shard (mlx-lm's shard()) holds some heads: the tape, and so the
+        # rollback, is of this rank's heads; the output sums every rank's, as mlx-lm's layer does
+        group = sharding_group(self)
+        return out if group is None else mx.distributed.all_sum(out, group=group)
 
     def replay(self, tape: Tape, state_before, m: int) -> tuple[mx.array, mx.array]:
         """(conv state, recurrent state) after the first m of the taped tokens."""

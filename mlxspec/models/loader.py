@@ -41,6 +41,8 @@ class LoadedModel:
     path: Path
     name: str
     is_demo: bool = False
+    # the mx.distributed group the model is sharded over (models/sharding.py); None: whole here
+    group: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -236,8 +238,9 @@ def check_checkpoint(path: Path, name: str) -> dict:
     return config
 
 
-def load_model(ref: str | None) -> LoadedModel:
-    """Resolve, check and load a model with its tokenizer."""
+def load_model(ref: str | None, group: Any = None) -> LoadedModel:
+    """Resolve, check and load a model with its tokenizer; with GROUP (an ``mx.distributed``
+    group), this process's shard of it (models/sharding.py)."""
     path, name, is_demo = resolve_model(ref)
     from .gemma4_pairs import is_assistant_folder
 
@@ -256,18 +259,25 @@ def load_model(ref: str | None) -> LoadedModel:
         ready(model)
         return LoadedModel(model=model, tokenizer=None, config=config, path=path, name=name)
     check_checkpoint(path, name)
-    from mlx_lm.utils import load
+    if group is not None:
+        from .sharding import load_sharded
 
-    try:
-        model, tokenizer, config = load(str(path), return_config=True)
-    except Exception as err:  # mlx/transformers raise many types for broken files
-        raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
+        model, tokenizer, config = load_sharded(path, name, group)
+    else:
+        from mlx_lm.utils import load
+
+        try:
+            model, tokenizer, config = load(str(path), return_config=True)
+        except Exception as err:  # mlx/transformers raise many types for broken files
+            raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
     fix_loaded(model, path, config)
-    from ..kernels import install
+    if group is None:  # mlxspec's fused kernels know nothing of a shard's collectives
+        from ..kernels import install
 
-    install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
+        install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
     ready(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo,
+                       group=group)
 
 
 def ready(model) -> None:
