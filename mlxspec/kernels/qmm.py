@@ -18,6 +18,7 @@ more than reading the matrix once per row.
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,7 +26,17 @@ import mlx.nn as nn
 from ..compat import swap_class
 from .switch import active, int_array
 
-MAX_ROWS = 8
+
+def _max_rows(text: str | None) -> int:
+    """MLXSPEC_QMM_MAX_ROWS: 8 unless set to a number from 2 to 16 (accumulators are compiled
+    for 1, 2, 4, 8 or 16 rows)."""
+    return int(text) if text and text.isdigit() and 2 <= int(text) <= 16 else 8
+
+
+# 8: whole forwards were measured faster with the kernel up to there. A batch's verify of several
+# rows is wider (4 rows of 5 tokens: 20); MLXSPEC_QMM_MAX_ROWS=16 sends 9-16 rows here too (an
+# experiment, docs/benchmarks.md: not the default until measured on every shape).
+MAX_ROWS = _max_rows(os.environ.get("MLXSPEC_QMM_MAX_ROWS"))
 # Decode (1 row) keeps MLX's kernel, so plain decoding is stock MLX's, bit for bit: the kernel
 # timed faster alone at 1 row on the large shapes, but no whole 1-token forward got measurably
 # faster with it (run-to-run spread: 10-15%).
@@ -156,7 +167,7 @@ COLS = 4  # output columns per warp
 
 
 def _bucket(rows: int) -> int:
-    """Accumulator rows compiled in: 1, 2, 4 or 8 (registers grow with them; occupancy falls)."""
+    """Accumulator rows compiled in: 1, 2, 4, 8 or 16 (registers grow with them; occupancy falls)."""
     return 1 << (rows - 1).bit_length()
 WARPS_PER_BLOCK = 8
 
