@@ -136,19 +136,24 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
 GREEDY = [0, 1, 6, 7]  # REQUESTS at temperature 0 with nothing reading their rows: pld, none, pld, mtp
 
 
+def drain(streams, tokens=lambda chunk: chunk.tokens) -> list[list[int]]:
+    """Every stream's tokens (TOKENS of each item), one item from each in turn until all end."""
+    streams = list(streams)
+    got: list[list[int]] = [[] for _ in streams]
+    while any(s is not None for s in streams):
+        for j, stream in enumerate(streams):
+            item = next(stream, None) if stream is not None else None
+            if item is None:
+                streams[j] = None
+            else:
+                got[j].extend(tokens(item))
+    return got
+
+
 def run_together(spec, which: list[int]) -> list[list[int]]:
     """REQUESTS[i] for i in WHICH, all in one batch from the start; each one's tokens."""
     batch = spec.batch(len(which))
-    streams = [spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]) for i in which]
-    got: list[list[int]] = [[] for _ in which]
-    while any(s is not None for s in streams):
-        for j, stream in enumerate(streams):
-            chunk = next(stream, None) if stream is not None else None
-            if chunk is None:
-                streams[j] = None
-            else:
-                got[j].extend(chunk.tokens)
-    return got
+    return drain(spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]) for i in which)
 
 
 def test_greedy_rows_are_decided_together_as_alone(spec, alone, monkeypatch):
@@ -216,16 +221,7 @@ def run_oracle_batch(spec, rows) -> tuple[list[list[int]], list]:
     batch = BatchedDecoder(spec.target.model, len(rows))
     added = [batch.add(ids, sampling=s, max_tokens=n, stop_tokens=set(), seed=seed,
                        plan=RowPlan(Oracle(script), 3, 3, gates=False)) for ids, s, seed, script, n in rows]
-    streams = [r.updates() for r in added]
-    got: list[list[int]] = [[] for _ in rows]
-    while any(st is not None for st in streams):
-        for j, st in enumerate(streams):
-            item = next(st, None) if st is not None else None
-            if item is None:
-                streams[j] = None
-            else:
-                got[j].extend(item[0])
-    return got, [r.stats for r in added]
+    return drain((r.updates() for r in added), lambda item: item[0]), [r.stats for r in added]
 
 
 def oracle_alone(spec, row) -> list[int]:
@@ -309,16 +305,7 @@ def test_plain_rows_queue_each_next_step(spec, monkeypatch):
 
     monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)
     batch = spec.batch(3)
-    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in requests]
-    got = [[] for _ in streams]
-    while any(s is not None for s in streams):
-        for i, s in enumerate(streams):
-            chunk = next(s, None) if s is not None else None
-            if chunk is None:
-                streams[i] = None
-            else:
-                got[i].extend(chunk.tokens)
-    assert got == want
+    assert drain(spec.stream_in(batch, p, reuse=False, **o) for p, o in requests) == want
     assert sum(queued) >= 10, queued
 
 

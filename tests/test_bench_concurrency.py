@@ -16,11 +16,11 @@ from mlxspec.errors import UsageError
 def test_cli_runs_every_engine_at_each_concurrency(tmp_path):
     out = tmp_path / "c.json"
     result = CliRunner().invoke(cli.app, ["bench", "--concurrency", "1,3", "--prompts", "2", "--max-tokens", "8",
-                                          "--reps", "2", "--temp", "0", "--join-tokens", "700",
+                                          "--reps", "1", "--temp", "0", "--join-tokens", "700",
                                           "--json", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert doc["benchmark"] == "concurrency" and doc["levels"] == [1, 3] and doc["reps"] == 2
+    assert doc["benchmark"] == "concurrency" and doc["levels"] == [1, 3] and doc["reps"] == 1
     cells = {(c["concurrency"], c["engine"]): c for c in doc["cells"]}
     assert set(cells) == {(n, e) for n in (1, 3) for e in ENGINES}
     for n in (1, 3):
