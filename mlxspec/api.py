@@ -297,7 +297,7 @@ class SpecModel:
         name = dec.drafter.name if dec.drafter is not None else "none"
         if name not in BATCH_DRAFTERS or dec.tree != 0:
             return None, f"drafter {name}{' with trees' if dec.tree != 0 else ''} is served alone"
-        return RowPlan(dec.drafter, dec.max_depth, dec.depth, dec.gates, dec.cost), None
+        return RowPlan.of(dec), None
 
     def stream_in(self, batch: BatchedDecoder, prompt, request: GenerationRequest | None = None, *,
                   plan: RowPlan | None = None, **options) -> Iterator[Chunk]:

@@ -299,8 +299,8 @@ def test_plain_rows_queue_each_next_step(spec, monkeypatch):
     queued = []
     real = BatchedDecoder._queue_plain
 
-    def spy(self, rows, **given):
-        real(self, rows, **given)
+    def spy(self, rows, tokens):
+        real(self, rows, tokens)
         queued.append(self._queued is not None)
 
     monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)

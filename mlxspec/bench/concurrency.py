@@ -128,9 +128,15 @@ def join_gaps(spec, running: list[int], join_tokens: int, drafter: str, max_toke
         last = now
     joining.close()
     stream.close()
-    ms = [1000 * g for g in gaps_during]
-    return {"join_tokens": join_tokens, "prefill_step": batch.prefill_step, "steps": len(ms),
-            "gap_ms_before": round(1000 * statistics.median(gaps_before[1:]), 2),
+    return gap_summary(gaps_before[1:], gaps_during, join_tokens, batch.prefill_step)
+
+
+def gap_summary(before: list[float], during: list[float], join_tokens: int, prefill_step: int) -> dict:
+    """A running request's gaps between tokens (seconds) BEFORE and DURING a join, in ms:
+    their medians, the worst during, and how many steps the join took."""
+    ms = [1000 * g for g in during]
+    return {"join_tokens": join_tokens, "prefill_step": prefill_step, "steps": len(ms),
+            "gap_ms_before": round(1000 * statistics.median(before), 2),
             "gap_ms_during": round(statistics.median(ms), 2) if ms else None,
             "worst_gap_ms": round(max(ms), 2) if ms else None}
 

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from .concurrency import gap_summary
 from .paired import paired_speedup, quartiles
 from .real_plan import BASELINE
 
@@ -180,19 +181,21 @@ class ConcurrencyBench:
             counts.add(stats.to_dict())
         return Run(tokens, first, last, serial=True, stats=counts.summary(len(scripts)))
 
-    def _batched(self, workload: str, scripts, drafter: bool) -> Run:
-        from ..engine.batch import BatchedDecoder, RowPlan
+    def add_rows(self, batch, workload: str, scripts, drafter: bool, max_tokens: int) -> list:
+        """SCRIPTS' prompts as greedy rows of BATCH with no stop token, each with its own drafter
+        (none unless DRAFTER); their update streams."""
+        from ..engine.batch import RowPlan
         from ..engine.sampling import SamplingParams
+
+        return [batch.add(s.prompt, sampling=SamplingParams(0.0), max_tokens=max_tokens, stop_tokens=set(),
+                          plan=RowPlan.of(self.decoder(workload, s, drafter))).updates() for s in scripts]
+
+    def _batched(self, workload: str, scripts, drafter: bool) -> Run:
+        from ..engine.batch import BatchedDecoder
 
         batch = BatchedDecoder(self.model, len(scripts))
         t0 = time.perf_counter()
-        updates = []
-        for s in scripts:
-            dec = self.decoder(workload, s, drafter)
-            plan = RowPlan(dec.drafter, dec.max_depth, dec.depth, dec.gates, dec.cost)
-            row = batch.add(s.prompt, sampling=SamplingParams(0.0), max_tokens=self.max_tokens, stop_tokens=set(),
-                            plan=plan)
-            updates.append(row.updates())
+        updates = self.add_rows(batch, workload, scripts, drafter, self.max_tokens)
         tokens = [[] for _ in scripts]
         first, last = [0.0] * len(scripts), [0.0] * len(scripts)
         counts, final = Counts(), [None] * len(scripts)
@@ -276,14 +279,8 @@ def join_gaps(bench: ConcurrencyBench, workload: str, running: int, join_tokens:
     from ..engine.sampling import SamplingParams
 
     bench.follow(workload)
-    scripts = bench.scripts[workload][:running]
     batch = BatchedDecoder(bench.model, running + 1)
-    streams = []
-    for s in scripts:
-        dec = bench.decoder(workload, s, True)
-        plan = RowPlan(dec.drafter, dec.max_depth, dec.depth, dec.gates, dec.cost)
-        streams.append(batch.add(s.prompt, sampling=SamplingParams(0.0), max_tokens=1 << 20, stop_tokens=set(),
-                                 plan=plan).updates())
+    streams = bench.add_rows(batch, workload, bench.scripts[workload][:running], True, 1 << 20)
 
     def tick() -> float:  # every running stream's next chunk; the first one's time
         for i, st in enumerate(streams):
@@ -311,12 +308,7 @@ def join_gaps(bench: ConcurrencyBench, workload: str, running: int, join_tokens:
     batch.remove(joining)
     for st in streams:
         st.close()
-    ms = [1e3 * g for g in during]
-    return {"workload": workload, "running": running, "join_tokens": join_tokens,
-            "prefill_step": batch.prefill_step, "steps": len(ms),
-            "gap_ms_before": round(1e3 * statistics.median(before), 2),
-            "gap_ms_during": round(statistics.median(ms), 2) if ms else None,
-            "worst_gap_ms": round(max(ms), 2) if ms else None}
+    return {"workload": workload, "running": running, **gap_summary(before, during, join_tokens, batch.prefill_step)}
 
 
 def run_real_concurrency(shape: str, *, levels, workloads, bits: int = 4, prompt_tokens: int = 512,
@@ -348,21 +340,19 @@ def run_real_concurrency(shape: str, *, levels, workloads, bits: int = 4, prompt
                 "cells": summarize(bench, runs), "join": join}
 
     try:
-        for w in workloads:  # MLX's CUDA backend builds kernels per new shape: meet them all first
-            for n in levels:
-                for engine in engines:
-                    say(f"warm-up {w} N={n} {engine}")
-                    bench.run(engine, w, n)
-                    say(f"warm-up {w} N={n} {engine}", True)
         runs: dict = {}
-        for rep in range(reps):
+        # repetition 0 warms up, unrecorded: MLX's CUDA backend builds kernels per new shape
+        for rep in range(reps + 1):
+            label = f"rep {rep}/{reps}" if rep else "warm-up"
             for w in workloads:
                 for n in levels:
                     for engine in engines:
-                        say(f"rep {rep + 1}/{reps} {w} N={n} {engine}")
-                        runs.setdefault((w, n, engine), []).append(bench.run(engine, w, n))
-                        say(f"rep {rep + 1}/{reps} {w} N={n} {engine}", True)
-            if on_partial is not None:
+                        say(f"{label} {w} N={n} {engine}")
+                        run = bench.run(engine, w, n)
+                        if rep:
+                            runs.setdefault((w, n, engine), []).append(run)
+                        say(f"{label} {w} N={n} {engine}", True)
+            if rep and on_partial is not None:
                 on_partial(result(runs))
         join = None
         if join_tokens:

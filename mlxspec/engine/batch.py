@@ -80,14 +80,12 @@ class Step:
 
 @dataclass
 class Queued:
-    """A plain step queued behind the last: its rows, their sampled tokens (on the device:
-    OUTS per row, or TOKENS (B, 1) for all rows when every row is greedy, see
-    :func:`greedy_accept`) and their hidden rows (drafters that read them; else None)."""
+    """A plain step queued behind the last: its rows, their sampled tokens (B, 1), still on the
+    device, and their hidden rows (drafters that read them; else None)."""
 
     rows: list[Row]
-    outs: list[mx.array] | None
+    tokens: mx.array
     hidden: list[mx.array | None]
-    tokens: mx.array | None = None
 
 
 def greedy_rows(rows: Sequence[Row]) -> bool:
@@ -125,6 +123,11 @@ class RowPlan:
     depth: int | None = None  # a fixed depth
     gates: bool = True
     cost: CostModel | None = None
+
+    @classmethod
+    def of(cls, decoder) -> RowPlan:
+        """What DECODER (a ``SpeculativeDecoder``) would run for its request."""
+        return cls(decoder.drafter, decoder.max_depth, decoder.depth, decoder.gates, decoder.cost)
 
 
 class Row:
@@ -300,10 +303,7 @@ class BatchedDecoder:
         if self._queued is not None:  # its share of a queued step goes with it
             q = self._queued
             q.rows.pop(i), q.hidden.pop(i)
-            if q.outs is not None:
-                q.outs.pop(i)
-            else:
-                q.tokens = mx.concatenate([q.tokens[:i], q.tokens[i + 1:]])
+            q.tokens = mx.concatenate([q.tokens[:i], q.tokens[i + 1:]])
             if not q.rows:
                 self._queued = None
         if row.prefix_cache is not None and row.error is None:
@@ -368,11 +368,8 @@ class BatchedDecoder:
         if queued is not None:  # a plain step queued by the last one: its rows are these
             assert queued.rows == rows
             plans, width, hidden = [Step()] * len(rows), 1, queued.hidden
-            greedy = queued.tokens is not None
-            if greedy:
-                n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens
-            else:
-                results = [(mx.array(0), out, None) for out in queued.outs]
+            together = True  # its tokens were sampled on the device, one (B, 1) array
+            n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens
         else:
             plans = [r.plan() for r in rows]
             mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
@@ -386,22 +383,22 @@ class BatchedDecoder:
             else:  # rows that guess read no hidden states
                 hidden = [None] * len(rows)
             assert logits.shape[:2] == (len(rows), width), logits.shape  # (B, W, V)
-            greedy = greedy_rows(rows)
-            if greedy:  # one argmax and one read for the whole batch
+            together = greedy_rows(rows)
+            if together:  # one argmax and one read for the whole batch
                 n_acc, tokens = greedy_accept(logits, [p.host for p in plans])
             else:
                 results = [p.accept(r, logits[i]) for i, (r, p) in enumerate(zip(rows, plans))]
-        if greedy:
+        if together:
             mx.async_eval(n_acc, tokens)
         else:
             mx.async_eval([res[:2] for res in results])
         if width == 1:
-            self._queue_plain(rows, **({"tokens": tokens[:, :1]} if greedy else {"outs": [o for _, o, _ in results]}))
+            self._queue_plain(rows, tokens[:, :1] if together else mx.stack([o for _, o, _ in results]))
         elif not self.joining and BatchAhead.can_guess(rows, self.cache):
             guess = self._ahead.make(rows, plans, width)
             if guess is not None:
                 self._ahead.queue(guess, PAD)
-        if greedy:
+        if together:
             kept, picks = n_acc.tolist(), tokens.tolist()
             lasts = [picks[i][n] for i, n in enumerate(kept)]
             results = [(None, None, None)] * len(rows)
@@ -420,21 +417,16 @@ class BatchedDecoder:
             if r.finished:
                 self._leave(r)
 
-    def _queue_plain(self, rows: list[Row], outs: list[mx.array] | None = None, tokens: mx.array | None = None):
-        """After a plain step of every row, queue the next one behind it (its inputs are this
-        step's tokens, still on the device: OUTS per row, or TOKENS (B, 1) from
-        :func:`greedy_accept`) when every row will decode plainly again, as the single-request
-        loop decides it; not while a row is joining (it changes the batch)."""
+    def _queue_plain(self, rows: list[Row], tokens: mx.array) -> None:
+        """After a plain step of every row, queue the next one behind it (its inputs: this
+        step's TOKENS (B, 1), still on the device) when every row will decode plainly again, as
+        the single-request loop decides it; not while a row is joining (it changes the batch)."""
         if self.joining or not all(r.stays_plain_next() for r in rows):
             return
-        inputs = tokens if tokens is not None else mx.stack([o.reshape(1) for o in outs])
-        logits, h = self.cache.forward(inputs.astype(mx.uint32), any(r.needs_hidden for r in rows))  # (B, 1, V)
-        hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]
-        if tokens is not None:
-            nxt = greedy_tokens(logits)  # (B, 1)
-            mx.async_eval(nxt)
-            self._queued = Queued(list(rows), None, hidden, nxt)
-            return
-        nxt = [r.sampling.sample(logits[i, :1]) for i, r in enumerate(rows)]
+        logits, h = self.cache.forward(tokens.astype(mx.uint32), any(r.needs_hidden for r in rows))  # (B, 1, V)
+        if greedy_rows(rows):
+            nxt = greedy_tokens(logits)
+        else:
+            nxt = mx.stack([r.sampling.sample(logits[i, :1]) for i, r in enumerate(rows)])  # (B, 1)
         mx.async_eval(nxt)
-        self._queued = Queued(list(rows), nxt, hidden)
+        self._queued = Queued(list(rows), nxt, [h[i] if r.needs_hidden else None for i, r in enumerate(rows)])

@@ -138,16 +138,13 @@ class RaggedCache:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of
         the last :meth:`forward`."""
         assert len(junk) == self.rows, (len(junk), self.rows)
-        for c in self.layers:  # a row alone (its own KV caches)
-            if isinstance(c, KVCache) and junk[0]:
-                c.trim(junk[0])
-        kv = [c for c in self.layers if isinstance(c, BatchKVCache)]
+        kv = [c for c in self.layers if isinstance(c, (BatchKVCache, KVCache))]  # KVCache: a row alone
         common = min(junk)
         if common:
             for layer in kv:
                 layer.trim(common)
         rest = [j - common for j in junk]
-        if any(rest) and kv:
+        if any(rest):  # several rows (one row's junk is all common)
             roll_rows(kv, rest)
         if self._recurrent and any(junk):
             self._replay(junk)
@@ -180,10 +177,8 @@ class RaggedCache:
 
     def snapshot(self, row: int) -> Snapshot | None:
         """Row ROW's cache alone, as a single request's (for the prefix cache)."""
-        if self.rows == 1:
-            return snapshot_caches([c.extract(0) if isinstance(c, ArraysCache) else c for c in self.layers],
-                                   self.length(row))
-        return snapshot_caches([layer.extract(row) for layer in self.layers], self.length(row))
+        layers = self.layers if self.rows == 1 else [layer.extract(row) for layer in self.layers]
+        return snapshot_caches(layers, self.length(row))
 
 
 def roll_rows(layers: list[BatchKVCache], shifts: list[int]) -> None:
