@@ -16,7 +16,7 @@ from .engine.batch_cache import batch_refusal
 from .engine.drafters.registry import check_drafter, resolve_drafter
 from .engine.logprobs import TokenLogprob
 from .engine.prefix_cache import PrefixCache
-from .engine.ranks import checked, same_seed
+from .engine.ranks import agreed, checked
 from .engine.row_rules import RowRules
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
@@ -245,7 +245,7 @@ class SpecModel:
         :class:`GenerationRequest`), over REQUEST's when both are given. With ``reuse`` the
         longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
         r, group = _request(request, options), self.target.group
-        r = r if group is None else replace(r, seed=same_seed(r.seed, group))  # sharded: all ranks draw alike
+        r = r if group is None else agreed(r, group)  # sharded: all ranks draw alike, prefill feeds the watchdog
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         rules, logprobs = self._rules(r)
         steps = self._decoder(r).generate(

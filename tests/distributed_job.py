@@ -8,7 +8,7 @@ OUT/rank<r>.json (OUT/single.json when not launched).
 JOBS_JSON: [{"target", "draft", "cases": [case, ...]}, ...]; a case is {"id", "prompt",
 "drafter", "temperature", "seed", "max_tokens", "tree"?}. "seed": "rank" gives each rank its own
 seed (a planted divergence: the rank check must stop it). A result is {"tokens": [...], ...}
-or {"error": "<type>: <message>"}.
+(and "text") or {"error": "<type>: <message>"}.
 """
 
 import json
@@ -31,7 +31,7 @@ def run(out: Path, jobs: list[dict]) -> dict:
                 result = spec.generate(case["prompt"], raw=True, drafter=case["drafter"],
                                        temperature=case["temperature"], seed=seed, max_tokens=case["max_tokens"],
                                        tree=case.get("tree", "default"))
-                results[case["id"]] = {"tokens": result.tokens, "drafter": result.stats.drafter,
+                results[case["id"]] = {"tokens": result.tokens, "text": result.text, "drafter": result.stats.drafter,
                                        "tree_steps": result.stats.tree_steps, "drafted": result.stats.drafted,
                                        "accepted": result.stats.accepted, "sharded": group is not None}
             except MlxspecError as err:

@@ -12,9 +12,16 @@ drafter), mini-draft (a draft model). Both shard with mlx-lm's own ``shard()`` a
   DFlash's trees) may decide other depths and so spend the random draws elsewhere.
 - Ranks given different seeds stop with a RankError rather than mixing their generations.
 - ``mlxspec run`` under mlx.launch: rank 0 alone prints.
-- A rank that dies ends rank 0 with one error line, not a hang.
+- A rank that dies ends rank 0 with one error line, not a hang; one that hangs (stopped), with
+  the watchdog's line after MLXSPEC_PEER_TIMEOUT.
+- ``mlxspec serve`` under mlx.launch: rank 0 serves, rank 1 follows; a client that leaves stops
+  both ranks at one step; SIGTERM ends both with code 0.
+
+The single-process reference runs while the main mlx.launch does; the other process pairs
+(serve, the CLI run, the dying and the hung rank) start one at a time, each when its test does.
 """
 
+import http.client
 import json
 import os
 import signal
@@ -29,7 +36,9 @@ import pytest
 import distributed_job
 import tiny
 from mlxspec.cli.console import ErrorLines
+from mlxspec.engine import ranks, watchdog
 from mlxspec.models.sharding import launch_rank, launched, lost_peer
+from mlxspec.server.sharded import job_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "models"
@@ -40,6 +49,8 @@ TOKENS = 10
 # a launch's two processes import mlx-lm and load in parallel on this machine's cores; a run
 # that takes longer than this is hung
 LAUNCH_TIMEOUT_S = 90
+HUNG_TIMEOUT_S = 3  # MLXSPEC_PEER_TIMEOUT of the hung-rank test's rank 0
+SERVE_TIMEOUT_S = 10  # and of the served ranks: longer than they wait idle between the tests
 
 def _case(id, drafter, temperature=0.0, seed=None, **extra):
     return {"id": id, "prompt": PROMPT, "drafter": drafter, "temperature": temperature, "seed": seed,
@@ -65,11 +76,39 @@ def _env(tmp_path) -> dict:
             "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
 
 
-def _launch(tmp_path, *command) -> subprocess.CompletedProcess:
-    args = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--",
+def _launch_args(*command) -> list[str]:
+    return [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--",
             sys.executable, *map(str, command)]
-    return subprocess.run(args, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, env=_env(tmp_path),
-                          stdin=subprocess.DEVNULL, cwd=tmp_path)
+
+
+class Started:
+    """A process started in the background, its output in files (nothing blocks on a full pipe)."""
+
+    def __init__(self, tmp_path: Path, name: str, args: list, env: dict):
+        self.out, self.err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(list(map(str, args)), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                            env=env, cwd=tmp_path, start_new_session=True)
+
+    def wait(self, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, str]:
+        """(exit code, stdout, stderr) once it ends; at most TIMEOUT seconds."""
+        code = self.process.wait(timeout=timeout)
+        return code, self.out.read_text(), self.err.read_text()
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its group: mlx.launch's ranks too
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=10)
+
+
+def _ranks_env(tmp_path, name: str) -> dict:
+    """The environment mlx.launch gives its ranks (a hostfile of two on this machine), less MLX_RANK."""
+    port = _free_port()
+    hosts = tmp_path / f"{name}-hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    return {**_env(tmp_path), "MLX_HOSTFILE": str(hosts)}
 
 
 HYBRID = [_case("none", "none"), _case("pld", "pld"), _case("mtp", "mtp"), _case("draft", "draft"),
@@ -86,12 +125,10 @@ JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draf
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, background):
     """(rank 0's results, rank 1's, the single process's) for JOBS: one mlx.launch for both
-    targets, the reference in this process. The single process runs temperature 0 seeded: the
-    same tokens, and no verify-cost timing to wait for."""
-    if not LAUNCH.exists():
-        pytest.skip("mlx.launch is not installed beside python")
+    targets, the reference in this process meanwhile. The single process runs temperature 0
+    seeded: the same tokens, and no verify-cost timing to wait for."""
     tmp_path = tmp_path_factory.mktemp("sharded")
     out = tmp_path / "out"
     out.mkdir()
@@ -99,12 +136,16 @@ def runs(tmp_path_factory):
     tiny_models = {"tiny_qwen3_5": str(tiny.write_checkpoint(tmp_path / "tiny_qwen3_5", "qwen3_5", vocab_size=38,
                                                              seed=4))}
     jobs = [{**job, "target": tiny_models.get(job["target"], job["target"])} for job in JOBS]
-    done = _launch(tmp_path, JOB, out, json.dumps(jobs))
+    launch = Started(tmp_path, "launch", _launch_args(JOB, out, json.dumps(jobs)), _env(tmp_path))
+    try:
+        alone = [{**job, "cases": [{**c, "seed": 0} if c["temperature"] == 0 else c
+                                   for c in job["cases"] if c["seed"] != "rank"]} for job in jobs]
+        single = distributed_job.run(out, alone)
+        _, stdout, stderr = launch.wait()
+    finally:
+        launch.kill()
     files = [out / f"rank{r}.json" for r in (0, 1)]
-    assert all(f.exists() for f in files), f"a rank wrote nothing:\n{done.stdout}\n{done.stderr}"
-    alone = [{**job, "cases": [{**c, "seed": 0} if c["temperature"] == 0 else c
-                               for c in job["cases"] if c["seed"] != "rank"]} for job in jobs]
-    single = distributed_job.run(out, alone)
+    assert all(f.exists() for f in files), f"a rank wrote nothing:\n{stdout}\n{stderr}"
     return json.loads(files[0].read_text()), json.loads(files[1].read_text()), single
 
 
@@ -142,63 +183,200 @@ def test_ranks_that_diverge_stop_with_an_error(runs):
             "RankError: the processes of the sharded run committed different tokens (ranks [1] differ from rank 0")
 
 
-def test_cli_run_prints_on_rank_zero_only(tmp_path, runs):
-    args = ["-m", "mlxspec", "run", MODELS / "mini-hybrid", "-p", PROMPT, "--raw", "--temp", "0", "--seed", "1",
-            "--drafter", "mtp", "-n", TOKENS, "--json"]
-    done = _launch(tmp_path, *args)
-    lines = done.stdout.splitlines()
-    assert len(lines) == 1, done.stdout + done.stderr  # one JSON object: rank 1 printed nothing
+CLI_RUN = ["-m", "mlxspec", "run", MODELS / "mini-hybrid", "-p", PROMPT, "--raw", "--temp", "0", "--seed", "1",
+           "--drafter", "mtp", "-n", TOKENS, "--json"]
+
+
+def test_cli_run_prints_on_rank_zero_only(background, runs):
+    code, stdout, stderr = background["cli"].wait()
+    lines = stdout.splitlines()
+    assert code == 0 and len(lines) == 1, stdout + stderr  # one JSON object: rank 1 printed nothing
     # rank 0's note, once: rank 1 prints no notes
-    assert done.stderr.count("note: --seed has no effect at temperature 0") == 1, done.stderr
+    assert stderr.count("note: --seed has no effect at temperature 0") == 1, stderr
     sharded = json.loads(lines[0])
     assert sharded["tokens"] == runs[2]["mtp"]["tokens"]
     # no per-machine timing decides a sharded run (the ranks' timings differ), and none is stored
     assert sharded["stats"]["cost_model"] == "default"
-    assert not [p for p in (tmp_path / "tune").rglob("*") if p.is_file()]
+    assert not [p for p in (background["cli"].out.parent / "tune").rglob("*") if p.is_file()]
 
 
-# rank 1 of the dead-rank test: the CLI, killed (as by a crash or kill -9) after two steps
-DYING_RANK = """
+# rank 1 of the dead- and hung-rank tests: the CLI, which after two steps writes $FAIL_MARKER
+# and sends itself $FAIL_SIGNAL (SIGKILL: gone as by a crash; SIGSTOP: hung, its sockets open)
+FAILING_RANK = """
 import os, sys
+from pathlib import Path
 import mlxspec.api as api
 checked = api.checked
-def dying(steps, group):
+def failing(steps, group):
     for i, step in enumerate(checked(steps, group)):
         if i == 2:
-            os.kill(os.getpid(), 9)
+            Path(os.environ["FAIL_MARKER"]).write_text("")
+            os.kill(os.getpid(), int(os.environ["FAIL_SIGNAL"]))
         yield step
-api.checked = dying
+api.checked = failing
+from mlxspec.cli import main
+sys.argv = ["mlxspec", *sys.argv[1:]]
+main()
+"""
+FAILING_RUN = ["run", MODELS / "mini-hybrid", "-p", PROMPT, "--raw", "--temp", "0", "-n", 200, "--no-stats"]
+
+
+def _failing_pair(tmp_path: Path, name: str, sig: int, drafter: str, **rank0_env) -> tuple[Started, Started]:
+    """Rank 0 (the CLI) and a failing rank 1, started as mlx.launch starts them (its environment)
+    but without it: mlx.launch would end the others itself once one exits non-zero; here rank 0
+    must notice alone."""
+    env, run = _ranks_env(tmp_path, name), [*FAILING_RUN, "--drafter", drafter]
+    rank1 = Started(tmp_path, f"{name}1", [sys.executable, "-c", FAILING_RANK, *run],
+                    {**env, "MLX_RANK": "1", "FAIL_SIGNAL": str(int(sig)), "FAIL_MARKER": str(tmp_path / name)})
+    rank0 = Started(tmp_path, f"{name}0", [sys.executable, "-m", "mlxspec", *run],
+                    {**env, "MLX_RANK": "0", **rank0_env})
+    return rank0, rank1
+
+
+# a served rank: its pid in rank<r>.pid (SIGTERM goes to rank 0 itself), then the CLI
+SERVE_RANK = """
+import os, sys
+from pathlib import Path
+Path(f"rank{os.environ['MLX_RANK']}.pid").write_text(str(os.getpid()))
 from mlxspec.cli import main
 sys.argv = ["mlxspec", *sys.argv[1:]]
 main()
 """
 
 
-def test_dead_rank_ends_rank_zero_with_one_error_line(tmp_path):
-    """The ranks started as mlx.launch starts them (its environment), without it: mlx.launch
-    would end the others itself when one exits non-zero; here rank 0 must notice alone."""
-    port = _free_port()
-    hosts = tmp_path / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    args = ["run", MODELS / "mini-hybrid", "-p", PROMPT, "--raw", "--temp", "0", "--drafter", "mtp", "-n", 200,
-            "--no-stats"]
-    env = {**_env(tmp_path), "MLX_HOSTFILE": str(hosts)}
-    dying = subprocess.Popen([sys.executable, "-c", DYING_RANK, *map(str, args)], env={**env, "MLX_RANK": "1"},
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    started = time.monotonic()
+class Background(dict):
+    """The slow process pairs, each started when a test first asks for it: `mlxspec serve` and
+    `mlxspec run --json` under mlx.launch, a rank that dies and one that hangs. (Started all at
+    once they were slower: ranks waiting in a collective keep a core busy.)"""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name: str):
+        tmp = self.tmp_path_factory.mktemp(name)
+        if name == "serve":
+            port = _free_port()
+            self[name] = Started(tmp, "serve", _launch_args(
+                "-c", SERVE_RANK, "serve", MODELS / "mini-hybrid", "--port", port, "--no-ui", "--log-level", "warning"),
+                {**_env(tmp), "MLXSPEC_PEER_TIMEOUT": str(SERVE_TIMEOUT_S)})
+            self[name].port = port
+        elif name == "cli":
+            self[name] = Started(tmp, "cli", _launch_args(*CLI_RUN), _env(tmp))
+        elif name == "dead":
+            self[name] = _failing_pair(tmp, "dead", signal.SIGKILL, "mtp")
+        else:
+            self[name] = _failing_pair(tmp, "hung", signal.SIGSTOP, "pld", MLXSPEC_PEER_TIMEOUT=str(HUNG_TIMEOUT_S))
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory):
+    """The Background of this module: its processes killed (their process groups) at the end,
+    whatever state they are in."""
+    if not LAUNCH.exists():
+        pytest.skip("mlx.launch is not installed beside python")
+    started = Background(tmp_path_factory)
     try:
-        rank0 = subprocess.run([sys.executable, "-m", "mlxspec", *map(str, args)], env={**env, "MLX_RANK": "0"},
-                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        yield started
     finally:
-        dying.kill()
-        dying.wait()
-    assert dying.returncode == -signal.SIGKILL
-    assert rank0.returncode == 1
+        for one in started.values():
+            for process in one if isinstance(one, tuple) else (one,):
+                process.kill()
+
+
+def test_dead_rank_ends_rank_zero_with_one_error_line(background):
+    rank0, rank1 = background["dead"]
+    code, _, stderr = rank0.wait()
+    assert rank1.wait(10)[0] == -signal.SIGKILL
+    assert code == 1
     # mlxspec's one line, last; before it only the ring backend's own lines (its C++ writes them)
-    *backend, last = rank0.stderr.strip().splitlines()
-    assert last.startswith("error: another process of the sharded run is gone ([ring]"), rank0.stderr
-    assert all(line.startswith("[ring]") for line in backend), rank0.stderr
-    assert time.monotonic() - started < 60
+    *backend, last = stderr.strip().splitlines()
+    assert last.startswith("error: another process of the sharded run is gone ([ring]"), stderr
+    assert all(line.startswith("[ring]") for line in backend), stderr
+
+
+def test_hung_rank_ends_rank_zero_with_the_watchdog_line(background):
+    """A rank stopped (SIGSTOP: its sockets stay open, as a machine that lost power) two steps
+    in: rank 0 waits in a collective until the watchdog ends it, MLXSPEC_PEER_TIMEOUT later."""
+    rank0, rank1 = background["hung"]
+    code, _, stderr = rank0.wait()
+    assert code == 1, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: no step of the sharded run finished in {HUNG_TIMEOUT_S} s: another process is not answering "
+        "(hung or unreachable); stopping"), stderr
+    stopped = (rank1.out.parent / "hung").stat().st_mtime
+    assert rank0.err.stat().st_mtime - stopped < HUNG_TIMEOUT_S + 7  # its last line: the watchdog's
+    assert rank1.process.poll() is None  # still there, stopped: the watchdog spoke, not the backend
+
+
+def _request(port: int, body: dict, timeout: float = 60) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.fixture(scope="module")
+def served(background) -> Started:
+    """The mlx.launch of `mlxspec serve` on mini-hybrid, once rank 0 answers /health."""
+    serve = background["serve"]
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert serve.process.poll() is None, serve.out.read_text() + serve.err.read_text()
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return serve
+        except OSError:
+            time.sleep(0.2)
+    pytest.fail("the served ranks did not come up:\n" + serve.err.read_text())
+
+
+def test_serve_answers_as_the_single_process(served, runs):
+    status, body = _request(served.port, {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                                          "speculation": {"drafter": "mtp"}})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == runs[2]["mtp"]["text"]
+    assert body["usage"]["speculation"]["drafter"] == "mtp"
+    # sampled: the ranks' per-step check fails the request unless both drew the same tokens
+    status, body = _request(served.port, {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.8, "seed": 7,
+                                          "speculation": {"drafter": "pld"}})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] > 0
+
+
+def test_serve_client_that_leaves_stops_every_rank_at_one_step(served, runs):
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 400, "stream": True,
+                                                              "temperature": 0, "speculation": {"drafter": "pld"}}),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    connection.sock.shutdown(socket.SHUT_RDWR)  # the client leaves long before the end
+    connection.close()
+    deadline = time.monotonic() + 30
+    while "finish=cancelled" not in served.err.read_text():
+        assert time.monotonic() < deadline, served.err.read_text()
+        time.sleep(0.1)
+    # had rank 1 gone on generating, this request's collectives would not meet its
+    status, body = _request(served.port, {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                                          "speculation": {"drafter": "mtp"}})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == runs[2]["mtp"]["text"]
+
+
+def test_serve_ends_every_rank_with_code_zero_on_sigterm(served):
+    os.kill(int((served.out.parent / "rank0.pid").read_text()), signal.SIGTERM)
+    code, stdout, stderr = served.wait(30)
+    # mlx.launch says "[WARN] Node with rank N exited with code C" for a rank that did not exit 0
+    assert code == 0 and "[WARN]" not in stdout + stderr, stdout + stderr
+    assert not [line for line in stderr.splitlines() if line.startswith("error")], stderr
+    assert "requests run one at a time: the model is sharded over 2 processes (mlx.launch)" in stderr
 
 
 # -- the pieces, in this process --------------------------------------------------------
@@ -245,7 +423,7 @@ def test_run_under_launch_wants_the_prompt_as_an_argument(monkeypatch):
     assert "under mlx.launch give the prompt as PROMPT or -p/--prompt" in result.output
 
 
-@pytest.mark.parametrize("command", ["serve", "bench", "tune", "profile"])
+@pytest.mark.parametrize("command", ["bench", "tune", "profile"])
 def test_commands_that_cannot_shard_refuse_under_launch(monkeypatch, capsys, command):
     from mlxspec import cli
 
@@ -256,7 +434,7 @@ def test_commands_that_cannot_shard_refuse_under_launch(monkeypatch, capsys, com
         cli.main()
     assert exit.value.code == 2
     assert capsys.readouterr().err == (f"error: `mlxspec {command}` does not run under mlx.launch: only `mlxspec run` "
-                                       "shards a model (docs/distributed.md)\n")
+                                       "and `mlxspec serve` shard a model (docs/distributed.md)\n")
 
 
 def test_memory_counts_this_machines_shard_of_the_target(monkeypatch):
@@ -271,3 +449,119 @@ def test_memory_counts_this_machines_shard_of_the_target(monkeypatch):
     monkeypatch.setattr(sharding, "world", lambda: type("Group", (), {"size": lambda self: 2})())
     assert presets.plan_run(None, target, "draft", draft, drafter_given=True).load_bytes == \
         (whole - draft_bytes) // 2 + draft_bytes
+
+
+class Steps:
+    """A decoder's steps: one token each, and whether it was closed."""
+
+    def __init__(self, n: int):
+        self.n, self.closed = n, False
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                yield [i], None
+        finally:
+            self.closed = True
+
+
+def _ranks_say(monkeypatch, rank0_goes=lambda call: True, rank1_digest=lambda digest: digest):
+    """ranks.gathered as two ranks answer it: this one (the values given), and the other whose
+    go-on flag is RANK0_GOES(n-th call) (a follower's view: rank 0 decides) and digest
+    RANK1_DIGEST(this one's); the values this rank gave, call by call."""
+    calls = []
+
+    def gathered(values, group):
+        calls.append(list(values))
+        return [[values[0], int(rank0_goes(len(calls)))], [rank1_digest(values[0]), values[1]]]
+
+    monkeypatch.setattr(ranks, "gathered", gathered)
+    return calls
+
+
+def test_every_step_is_checked_once_before_the_next_one(monkeypatch):
+    calls = _ranks_say(monkeypatch)
+    steps = Steps(4)
+    assert [t for t, _ in ranks.checked(iter(steps), None)] == [[0], [1], [2], [3]]
+    assert [go for _, go in calls] == [1, 1, 1, 1] and steps.closed  # one exchange a step, each "go on"
+
+
+def test_a_consumer_that_stops_stops_every_rank_at_that_step(monkeypatch):
+    """Rank 0's consumer closes the stream at a step: it says "stop" in that step's exchange
+    (the only collective it runs after), and a follower told so ends there too."""
+    calls = _ranks_say(monkeypatch)
+    steps = Steps(10)
+    stream = ranks.checked(iter(steps), None)
+    assert next(stream)[0] == [0] and next(stream)[0] == [1]
+    stream.close()
+    assert [go for _, go in calls] == [1, 0] and steps.closed
+    # the follower: rank 0 says stop in the second exchange; its stream ends after two steps
+    calls = _ranks_say(monkeypatch, rank0_goes=lambda call: call < 2)
+    steps = Steps(10)
+    assert [t for t, _ in ranks.checked(iter(steps), None)] == [[0], [1]]
+    assert len(calls) == 2 and steps.closed
+
+
+def test_ranks_that_commit_other_tokens_stop_at_that_step(monkeypatch):
+    calls = _ranks_say(monkeypatch, rank1_digest=lambda digest: digest + 1)
+    stream = ranks.checked(iter(Steps(10)), None)
+    next(stream)
+    with pytest.raises(Exception, match=r"committed different tokens \(ranks \[1\] differ from rank 0"):
+        next(stream)
+    assert len(calls) == 1
+
+
+def test_watchdog_fires_only_while_a_step_is_in_flight(monkeypatch):
+    now, fired = [100.0], []
+    dog = watchdog.Watchdog(fire=fired.append, clock=lambda: now[0])
+    monkeypatch.setenv(watchdog.TIMEOUT_ENV, "3")
+    now[0] = 1e6
+    assert not dog.overdue()  # idle (a follower waiting for a job): never
+    with dog.watching():
+        now[0] += 2.5
+        assert not dog.overdue()
+        dog.progress()  # a step finished: three more seconds from now
+        now[0] += 2.9
+        assert not dog.overdue()
+        now[0] += 0.2
+        assert dog.overdue() and fired[0] == 3.0
+    count = len(fired)
+    now[0] += 100
+    assert not dog.overdue() and len(fired) == count
+    monkeypatch.setenv(watchdog.TIMEOUT_ENV, "soon")
+    with pytest.raises(Exception, match="MLXSPEC_PEER_TIMEOUT must be a number of seconds above 0"):
+        watchdog.timeout_s()
+    monkeypatch.delenv(watchdog.TIMEOUT_ENV)
+    assert watchdog.timeout_s() == 300
+
+
+def test_a_serve_job_carries_the_request_without_its_callbacks():
+    import pickle
+
+    from mlxspec.api import GenerationRequest
+    from mlxspec.options import ConstraintSpec
+
+    request = GenerationRequest(max_tokens=7, temperature=0.7, top_p=0.9, seed=3, drafter="pld", depth=2, tree=0,
+                                logprobs=2, constraint=ConstraintSpec("regex", "[a-z]+"), repetition_penalty=1.1,
+                                logit_bias={3: -1.0}, reuse=False, checkpoints=[2], prefill_step=16,
+                                on_prefill=lambda done, total: None, on_status=print, on_note=print)
+    prompt, sent = pickle.loads(job_bytes([5, 6, 7], request))
+    assert prompt == [5, 6, 7]
+    assert sent == GenerationRequest(**{**request.__dict__, "on_prefill": None, "on_status": None, "on_note": None})
+
+
+def test_worker_close_ends_the_followers_after_the_last_job():
+    from mlxspec.server.worker import Worker
+
+    class Model:
+        finished = 0
+
+        def stream(self, prompt, request):
+            yield from ()
+
+        def finish(self):
+            self.finished += 1
+
+    model = Model()
+    worker = Worker(model, max_queue=1)
+    assert worker.close(timeout=10) and model.finished == 1

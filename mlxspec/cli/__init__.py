@@ -20,8 +20,10 @@ from .console import DEBUG_ENV, print_error, quiet_rank
 COMMAND_MODULES = (run, models, machine, bench, serve)  # imported for their commands, in --help's order
 __all__ = ["DRAFTERS", "app", "main"]
 # commands that would serve, time or measure the model apart on every rank of an mlx.launch run
-# (each rank its own server, its own timings: the ranks' collectives would wait on each other)
-UNSHARDED_COMMANDS = ("serve", "bench", "tune", "profile")
+# (each rank its own server, its own timings: the ranks' collectives would wait on each other);
+# `bench --real-shapes --sharded` is the benchmark made for it
+# `serve` shards: rank 0 serves, the others run its generations with it (server/sharded.py)
+UNSHARDED_COMMANDS = ("bench", "tune", "profile")
 
 
 def main() -> None:
@@ -31,9 +33,9 @@ def main() -> None:
         quiet_rank(rank)
     if rank is not None:
         command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
-        if command in UNSHARDED_COMMANDS:
-            print_error(f"`mlxspec {command}` does not run under mlx.launch: only `mlxspec run` shards a model "
-                        "(docs/distributed.md)")
+        if command in UNSHARDED_COMMANDS and not (command == "bench" and "--sharded" in sys.argv):
+            print_error(f"`mlxspec {command}` does not run under mlx.launch: only `mlxspec run` and `mlxspec serve` "
+                        "shard a model (docs/distributed.md)")
             sys.exit(2)
     try:
         app(prog_name="mlxspec")

@@ -12,6 +12,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from ..errors import MlxspecError, UsageError
+from ..models.sharding import launch_rank
 from ..options import (
     DEFAULT_HOST,
     DEFAULT_MAX_BATCH_CAP,
@@ -67,7 +68,11 @@ MLXSPEC_API_KEY), given by clients as `Authorization: Bearer KEY` or `x-api-key:
 
 A browser opening / gets a chat page over the OpenAI endpoint: streaming, tok/s and acceptance
 live, text from accepted draft tokens marked, a stop button (it asks for the API key when one is
-set). On by default on loopback, off elsewhere unless --ui; --no-ui turns it off."""
+set). On by default on loopback, off elsewhere unless --ui; --no-ui turns it off.
+
+Under mlx.launch (a model sharded over several processes or machines, docs/distributed.md)
+rank 0 serves and the other ranks run each of its generations with it; requests run one at a
+time (--max-batch 1)."""
 
 
 def _is_loopback(host: str) -> bool:
@@ -125,7 +130,7 @@ def serve(
         "--max-batch", metavar="N", show_default=False,
         help="Requests decoded together, each exact as if alone (the Gemma-4 assistant, DFlash "
              "and draft trees run one at a time). Default: what this machine's memory holds beside "
-             f"the model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one request at a time.")] = None,
+             f"the model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one at a time (always under mlx.launch).")] = None,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
     max_connections: Annotated[int, typer.Option(
@@ -163,10 +168,11 @@ def serve(
         if max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT:
             raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH_LIMIT} (got {max_batch})")
         ui_on = _is_loopback(host) if ui is None else ui
-        check_port_free(host, port)  # before the model loads: minutes, for a port in use
+        follower = _follower_or_port_free(host, port)
         from .machine import prepare_run
-
         drafter, draft_model, _ = prepare_run(given["preset"], model, given["drafter"], draft_model, ctx)
+        if follower:
+            return _follow(_load(model, draft_model, cache_bytes))
         spec, application = _build_app(model, draft_model, cache_bytes, max_connections, max_batch, api_key=key,
                                        max_queue=max_queue, max_tokens_cap=max_tokens_cap, drafter=drafter,
                                        cors=cors, reasoning=given["reasoning"], ui=ui_on)
@@ -235,14 +241,11 @@ def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: in
                max_batch: Optional[int], **settings):
     """The loaded model and the ASGI app serving it; SETTINGS are the server's Settings
     (max_batch: None chooses it; ``app.state.batch_note`` says what was chosen and why)."""
-    from ..api import load
     from ..server.app import create_app
     from ..server.common import Settings
     from ..server.limits import Limits
 
-    quiet_libraries()
-    with model_errors(model, draft_model):
-        spec = load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
+    spec = _load(model, draft_model, cache_bytes)
     if spec.is_demo:
         demo_notice(spec.name)
     max_batch, note = _max_batch(spec, max_batch)
@@ -252,8 +255,37 @@ def _build_app(model: Optional[str], draft_model: Optional[str], cache_bytes: in
     return spec, app
 
 
+def _follower_or_port_free(host: str, port: int) -> bool:
+    """Whether this process is a rank > 0 of mlx.launch (it runs rank 0's generations and serves
+    nothing); otherwise HOST:PORT is checked now, before the model loads (minutes, for a port in use)."""
+    if launch_rank():
+        return True
+    check_port_free(host, port)
+    return False
+
+
+def _load(model: Optional[str], draft_model: Optional[str], cache_bytes: int):
+    from ..api import load
+
+    quiet_libraries()
+    with model_errors(model, draft_model):
+        return load(model, draft_model=draft_model, prompt_cache_bytes=cache_bytes)
+
+
+def _follow(spec) -> None:
+    """A rank > 0 of a sharded serve: every generation rank 0 runs, until its server stops."""
+    from ..server.sharded import follow
+
+    follow(spec, spec.target.group)
+
+
 def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:
     """The requests decoded together, and the banner's line about it."""
+    group = getattr(getattr(spec, "target", None), "group", None)
+    if group is not None:  # every rank runs each generation with rank 0: one at a time
+        ignored = f"; --max-batch {asked} does not apply" if asked is not None and asked > 1 else ""
+        return 1, (f"requests run one at a time: the model is sharded over {group.size()} processes "
+                   f"(mlx.launch){ignored}")
     if spec.cannot_batch:
         return 1, f"requests run one at a time: {spec.name} cannot batch ({spec.cannot_batch})"
     if asked is None:
@@ -290,3 +322,5 @@ def _run_server(application, host: str, port: int, log_level: str) -> None:
     except OSError as err:
         print_error(f"cannot bind {host}:{port}: {err.strerror}")
         raise typer.Exit(1) from None
+    finally:  # a sharded target's other ranks stop with it
+        application.state.server.close()

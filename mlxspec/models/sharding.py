@@ -51,7 +51,8 @@ def world() -> Any:
         return None
     import mlx.core as mx
 
-    group = mx.distributed.init()
+    # mlx.launch's NCCL runs name no hostfile: ask for NCCL itself rather than trying the others first
+    group = mx.distributed.init(backend="nccl") if nccl_run() else mx.distributed.init()
     return group if group.size() > 1 else None
 
 
@@ -63,7 +64,10 @@ def load_sharded(path: Path, name: str, group) -> tuple[Any, Any, dict]:
     from mlx_lm.utils import sharded_load
 
     try:
-        model, tokenizer, config = sharded_load(str(path), return_config=True)
+        if nccl_run():
+            model, tokenizer, config = _load_for_nccl(path, group)
+        else:
+            model, tokenizer, config = sharded_load(str(path), return_config=True)
     except Exception as err:  # mlx-lm raises ValueError / AssertionError / OSError for what cannot shard
         gone = lost_peer(err)
         if gone is not err:  # its closing barrier found a rank gone
@@ -74,10 +78,39 @@ def load_sharded(path: Path, name: str, group) -> tuple[Any, Any, dict]:
     return model, tokenizer, config
 
 
+def nccl_run() -> bool:
+    """Whether mlx.launch started this run over NCCL (it names no hostfile then)."""
+    return bool(os.environ.get("NCCL_HOST_IP")) and not os.environ.get("MLX_HOSTFILE")
+
+
+def _load_for_nccl(path: Path, group) -> tuple[Any, Any, dict]:
+    """``sharded_load``'s steps on a local checkpoint with its closing barrier on a GPU stream:
+    mlx-lm's sums on the CPU stream, which MLX's NCCL backend cannot run ("There is no
+    Stream(gpu, 1) in current thread", MLX 0.32.4 CUDA, seen on two H200s)."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    model, config = load_model(path, lazy=True, strict=False)
+    if hasattr(model, "shard"):  # sharded_load's order: tensor parallel first
+        model.shard(group)
+    elif hasattr(getattr(model, "model", None), "pipeline"):
+        model.model.pipeline(group)
+    else:
+        raise ValueError("The model does not support any sharding")
+    tokenizer = load_tokenizer(path, {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id", None))
+    mx.eval(model.parameters())
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))  # the barrier, on the default (GPU) stream
+    return model, tokenizer, config
+
+
+class PeerLost(RankError):
+    """A process of the sharded run is gone: the run cannot go on (a served model neither)."""
+
+
 def lost_peer(err: BaseException) -> BaseException:
     """A backend's RuntimeError (a peer's connection closed: its process died) as a one-line
-    RankError; anything else unchanged."""
+    PeerLost; anything else unchanged."""
     text = " ".join(str(err).split())
     if isinstance(err, RuntimeError) and text.startswith(BACKEND_TAGS):
-        return RankError(f"another process of the sharded run is gone ({text[:160]}); stopping")
+        return PeerLost(f"another process of the sharded run is gone ({text[:160]}); stopping")
     return err

@@ -16,6 +16,7 @@ from ..errors import MlxspecError
 from .common import APIError, Outcome, ServedModel, Settings, SurfaceRequest
 from .metrics import Metrics
 from .prompts import PromptWork
+from .sharded import Leader
 from .worker import QueueFull, Worker
 
 log = logging.getLogger("mlxspec.server")
@@ -60,9 +61,19 @@ class Server:
     def __init__(self, spec: ServedModel, settings: Settings):
         self.spec = spec
         self.settings = settings
-        self.worker = Worker(spec, settings.max_queue, settings.max_batch)
+        # a target sharded by mlx.launch: the worker runs each generation on every rank, one at a time
+        self.group = getattr(getattr(spec, "target", None), "group", None)
+        runs = spec if self.group is None else Leader(spec, self.group)
+        self.worker = Worker(runs, settings.max_queue, settings.max_batch if self.group is None else 1)
         self.prompts = PromptWork(spec, settings.prompt_workers, settings.max_queue)
         self.metrics = Metrics()
+
+    def close(self) -> None:
+        """The server is done: generations still there end with a 503; a sharded target's
+        worker ends, then its followers (they wait for every generation rank 0 runs)."""
+        self.worker.stop(APIError(503, "the server is shutting down", kind="overloaded_error"))
+        if self.group is not None:
+            self.worker.close()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:

@@ -11,6 +11,10 @@ chunk from each running job in turn (a row with no tokens waiting steps the whol
 job the batch cannot take (``SpecModel.batch_plan``: e.g. a model drafter, constrained
 output) runs alone once the rows before it are done; the jobs behind it wait (first come,
 first served).
+
+A sharded target (mlx.launch) is run through server/sharded.py's ``Leader``: one job at a time,
+each handed to the other ranks first; :meth:`Worker.close` ends the worker thread and then
+the followers.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class Worker:
         self._ready = threading.Condition()
         self._running: list[Job] = []
         self._batch = None  # the batch engine, once the worker runs one
+        self._closed = False  # close(): the thread ends once nothing runs
         self._thread = threading.Thread(target=self._run, name="mlxspec-generation", daemon=True)
         self._thread.start()
 
@@ -147,16 +152,31 @@ class Worker:
             if job in self._running:
                 self._running.remove(job)
 
+    def close(self, timeout: float | None = None) -> bool:
+        """End the worker thread once no job waits or runs (:meth:`stop` ends them at once),
+        then call the model's ``finish()`` if it has one (a sharded target's: the followers
+        stop); waits up to TIMEOUT seconds (None: until done). Whether the thread ended."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self) -> None:
         if self.max_batch > 1:
             self._run_batched()
         while True:
             with self._ready:
-                while not self._waiting:
+                while not self._waiting and not self._closed:
                     self._ready.wait()
+                if not self._waiting:
+                    break
                 job = self._waiting.popleft()
                 self._running.append(job)
             self._run_alone(job)
+        finish = getattr(self.spec, "finish", None)
+        if finish is not None:
+            finish()
 
     def _run_alone(self, job: Job) -> None:
         stream = None
@@ -182,8 +202,10 @@ class Worker:
         rows: list[tuple[Job, Iterator]] = []
         while True:
             with self._ready:
-                while not self._waiting and not rows:
+                while not self._waiting and not rows and not self._closed:
                     self._ready.wait()
+                if not self._waiting and not rows:
+                    return
                 job = self._waiting[0] if self._waiting and len(rows) < self.max_batch else None
             if job is not None and job.plan is None:
                 job.plan = self._plan(job)  # off the lock: it may time the model once
