@@ -53,6 +53,16 @@ def swap_class(obj: Any, cls: type) -> None:
     obj.__class__ = cls
 
 
+def unswap_class(obj: Any) -> bool:
+    """Undo :func:`swap_class`: make OBJ the nearest class of its own ancestry that is not
+    mlxspec's (mlx-lm's layer again). Returns whether it changed."""
+    own = lambda c: c.__module__ == "mlxspec" or c.__module__.startswith("mlxspec.")  # noqa: E731
+    if not own(type(obj)):
+        return False
+    obj.__class__ = next(c for c in type(obj).__mro__ if not own(c))
+    return True
+
+
 def drop_ssm_mask(text_model) -> None:
     """Set a Qwen3.5 text model's ``ssm_idx`` to None, as mlx-lm's own ``pipeline()`` does when
     no layer is GatedDeltaNet: otherwise it reads a mask from a KVCache and fails."""

@@ -215,3 +215,6 @@ class ConstraintSpec:
         if not ok:
             raise UsageError(f"a {self.kind} constraint takes {CONSTRAINT_KINDS[self.kind]}, "
                              f"got {type(self.value).__name__}")
+
+# --bits of `bench`'s random-weight models (--sweep, --real-shapes); 0 is bf16
+QUANT_BITS = (0, 2, 3, 4, 5, 6, 8)

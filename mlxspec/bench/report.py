@@ -223,7 +223,10 @@ def real_shapes_table(doc: dict, shape: str):
                         f"{doc.get('baseline', 'mlx-lm')} ({how})", title_justify="left")
     info = next((i for i in doc.get("real_shapes", {}).get("shapes", []) if i.get("shape") == shape), {})
     ev = info.get("baseline_evidence")
-    if ev is not None:  # .stock_evidence: what the baseline process showed of itself
+    if info.get("baseline_caption"):  # bench --sharded: the baseline ran in the bench's own processes
+        table.caption = info["baseline_caption"]
+        table.caption_justify = "left"
+    elif ev is not None:  # .stock_evidence: what the baseline process showed of itself
         table.caption = (f"{doc['baseline']}: its own process, no mlxspec kernel imported or bound in mlx-lm: "
                          f"{'stock' if ev['stock'] else 'NOT STOCK'} ({len(ev['originals'])} functions checked "
                          "against mlx-lm's source)")

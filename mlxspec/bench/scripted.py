@@ -43,6 +43,9 @@ class ScriptedLogits:
         self.follow: mx.array | None = None
         self.pending: tuple[int, int, list[int] | None, mx.array] | None = None
         lm = getattr(model, "language_model", model)
+        # a head mlx-lm's shard() split over the vocabulary computes this rank's slice of it
+        group = getattr(lm, "sharding_group", None)
+        self.rank = group.rank() if group is not None else 0
         body = lm.model
         base = type(body)
         outer = self
@@ -66,12 +69,13 @@ class ScriptedLogits:
         if self.pending is None or logits.ndim != 3 or logits.shape[1] != self.pending[1]:
             return logits
         (offset, n, depth, inputs), self.pending = self.pending, None
+        ids = mx.arange(logits.shape[-1]) + self.rank * logits.shape[-1]  # this slice's token ids
         if self.follow is not None:  # (B, n) inputs -> (B, n, V)
-            hot = mx.arange(logits.shape[-1]) == self.follow[inputs][..., None]
+            hot = ids == self.follow[inputs][..., None]
         else:
             rows = mx.arange(n) if depth is None else mx.array(depth)
             where = mx.minimum(offset + 1 + rows, self.table.shape[0] - 1)
-            hot = mx.arange(logits.shape[-1])[None] == self.table[where][:, None]
+            hot = ids[None] == self.table[where][:, None]
         # the real logits stay a data dependency: their whole lm_head matmul is still computed
         return mx.where(hot, HOT, 0.0).astype(logits.dtype) + logits[..., :1] * 0
 

@@ -181,11 +181,13 @@ def random_model(shape: str, vocab: int | None = None, bits: int = 4, group_size
     return model
 
 
-def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int = 64, seed: int = 1):
+def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int = 64, seed: int = 1,
+                    kernels: bool = True):
     """A one-layer Qwen3.5-layout MTP head (fc, two pre-norms, a full-attention decoder layer
     with the trunk's MLP kind, final norm; the trunk's lm_head) with random weights, bound to
     ``model``: its real cost, for timing. Dense Qwen3 shapes ship no head; theirs is the same
-    layout at the trunk's sizes."""
+    layout at the trunk's sizes. ``kernels`` False: none of mlxspec's kernels installed (as on a
+    sharded target, where installing them would rebind mlx-lm's attention for the baseline too)."""
     from mlx_lm.models.qwen3_5 import TextModelArgs
 
     from ..models.mtp.head import MTPHead, QwenMTPHead
@@ -204,9 +206,10 @@ def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int
     if bits:
         nn.quantize(module, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
     mx.eval(module.parameters())
-    from ..kernels import install
+    if kernels:
+        from ..kernels import install
 
-    install(module)
+        install(module)
     nbytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
     return MTPHead(module, split_trunk(model), nbytes, f"random {shape} head")
 

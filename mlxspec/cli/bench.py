@@ -1,12 +1,11 @@
 """The ``mlxspec bench`` command; it registers on the one Typer app of :mod:`mlxspec.cli`."""
 
-import contextlib
 import sys
 from pathlib import Path
 from typing import Optional
 
 from ..errors import UsageError
-from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, check_values
+from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, QUANT_BITS, check_values
 from .app import app
 from .bench_concurrency import run_concurrency, run_real_concurrency_cli
 from .bench_options import (
@@ -39,6 +38,7 @@ from .bench_options import (
     RealShapesOption,
     RepsOption,
     SeedOption,
+    ShardedOption,
     SweepContextOption,
     SweepOption,
     SweepTokensOption,
@@ -47,11 +47,12 @@ from .bench_options import (
     WorkloadsDirOption,
     WorkloadsOption,
 )
+from .bench_sharded import run_sharded_cli
 from .console import (
     help_text,
     load_with_spinner,
     print_note,
-    stderr_console,
+    progress,
     stdout_console,
     user_errors,
 )
@@ -64,7 +65,6 @@ def builtin_workloads(package: Path = Path(__file__).resolve().parents[1]) -> Pa
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype casts the loaded models to
-QUANT_BITS = (0, 2, 3, 4, 5, 6, 8)  # --bits of the random-weight models; 0 is bf16
 
 BENCH_HELP = help_text("""
 Benchmark mlx-lm against mlxspec's drafters on prompt sets, all in one process; or, with
@@ -116,31 +116,6 @@ def _check(condition: bool, message: str) -> None:
         raise UsageError(message)
 
 
-@contextlib.contextmanager
-def _progress(label: str):
-    """on_step(message, done, total): a progress bar on a terminal, else a line per phase."""
-    console = stderr_console()
-    if not console.is_terminal:
-        last = {"phase": None}
-
-        def on_step(message, done, total):
-            phase = message.split(":")[0]
-            if phase != last["phase"]:
-                last["phase"] = phase
-                print_note(f"{label}: {phase}")
-
-        yield on_step
-        return
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        task = progress.add_task(label, total=None)
-        yield lambda message, done, total: progress.update(task, description=message,
-                                                           completed=done, total=total)
-
-
 def _outputs(docs, json_path, png_path) -> None:
     from ..bench.report import render, write_chart, write_json
 
@@ -190,6 +165,7 @@ def bench(
     kernels_off: KernelsOffOption = False,
     concurrency: ConcurrencyOption = None,
     join_tokens: JoinTokensOption = None,
+    sharded: ShardedOption = False,
 ) -> None:
     with user_errors():
         if from_json:
@@ -215,10 +191,12 @@ def bench(
             _check(sweep is None, "--chat and --sweep are two benchmarks: give one")
             _run_chat(model, draft_model, chat_shapes, chat_turns, chat_context, chat_user_tokens,
                       drafter, max_tokens, reps, bits, dtype, *outputs)
+        elif sharded:  # --real-shapes over the ranks of an mlx.launch run
+            run_sharded_cli(real_shapes, (model, draft_model, sweep), bits=bits, workloads=workloads, seed=seed,
+                            prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps, outputs=outputs)
         elif real_shapes is not None:
-            _check(sweep is None, "--real-shapes and --sweep are two benchmarks: give one")
-            _check(model is None and draft_model is None,
-                   "--real-shapes builds its own random models: give no MODEL or --draft-model")
+            _check(sweep is None and model is None and draft_model is None,
+                   "--real-shapes builds its own random models: give no MODEL, --draft-model or --sweep")
             _run_real_shapes(real_shapes, bits=bits, workloads=workloads, depths=depths, prompt_tokens=prompt_tokens,
                              max_tokens=max_tokens or 128, reps=reps or 8, seed=seed,
                              temperature=temperature if temp_pass else None, outputs=outputs)
@@ -246,9 +224,9 @@ def _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_s
         _check_bits(bits)
         return run_real_concurrency_cli(real_shapes, concurrency, bits=bits, workloads=workloads,
                                         prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128, reps=reps or 8,
-                                        seed=seed, join_tokens=join_tokens, json_path=json_path, progress=_progress)
+                                        seed=seed, join_tokens=join_tokens, json_path=json_path, progress=progress)
     return run_concurrency(model, draft_model, dtype, concurrency, workloads_dir or builtin_workloads(), workloads,
-                           prompts, max_tokens, reps, drafter, temperature, seed, json_path, _progress, join_tokens)
+                           prompts, max_tokens, reps, drafter, temperature, seed, json_path, progress, join_tokens)
 
 
 def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens) -> None:
@@ -305,7 +283,7 @@ def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_
         if json_path:
             write_json(real_shapes_document(result), json_path)
 
-    with _progress("real shapes") as on_step:
+    with progress("real shapes") as on_step:
         result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps,
                                  workloads=chosen, depths=tuple(int(d) for d in given), seed=seed,
                                  temperature=temperature, on_step=on_step, on_partial=save_partial)
@@ -325,7 +303,7 @@ def _run_sweep(names: str, *, bits, kernels_off, tokens, context, reps, outputs)
     from ..bench.sweep import DEFAULT_SHAPES, parse_shapes, run_sweep
 
     shapes = list(DEFAULT_SHAPES) if names.strip() == "all" else parse_shapes(names)
-    with _progress("sweep") as on_step:
+    with progress("sweep") as on_step:
         result = run_sweep(shapes, bits=bits, max_tokens=tokens, context=context, reps=reps, on_step=on_step,
                            kernels_off=kernels_off)
     _outputs([sweep_document(result)], *outputs)
@@ -358,7 +336,7 @@ def _run_engines(model, draft_model, dtype, *, workloads_dir, workloads, prompts
         if json_path:
             write_json(bench_document(runner, result), json_path)
 
-    with _progress("bench") as on_step:
+    with progress("bench") as on_step:
         result = runner.run(on_step, save_partial)
     _outputs([bench_document(runner, result)], json_path, png_path)
     if not all(r.get("identical") is not False for p in result["passes"] for r in p["results"]):
@@ -406,7 +384,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
 
         names = parse_shapes(shapes, "--chat-shapes")
         config = plan(4096 if context is None else context)
-        with _progress("chat") as on_step:
+        with progress("chat") as on_step:
             models = run_chat_shapes(names, bits=bits, dtype=dtype, on_step=on_step,
                                      **_run_args(config))
     else:
@@ -428,7 +406,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
         if drafter in ("mtp", "auto"):
             head, why_not = spec.mtp_head()
             _check(head is not None or drafter == "auto", f"--drafter mtp: {why_not}")
-        with _progress("chat") as on_step:
+        with progress("chat") as on_step:
             result = run_chat(spec.target.model, vocab=spec.target.vocab_size, on_step=on_step,
                               label=spec.name, mtp_head=head,
                               draft_model=spec.draft.model if spec.draft else None, **_run_args(config))

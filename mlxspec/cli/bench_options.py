@@ -130,6 +130,12 @@ PromptTokensOption = Annotated[int, typer.Option(
 DepthsOption = Annotated[str, typer.Option(
     "--depths", metavar="LIST", help="Real shapes: the forced depths of the ideal curve "
                                      f"(comma-separated, {MIN_DEPTH}-{MAX_DEPTH}).")]
+ShardedOption = Annotated[bool, typer.Option(
+    "--sharded", help="With --real-shapes: the target sharded over the processes of an mlx.launch run "
+                      "(tensor parallel, mlx-lm's shard), mlxspec plain / prompt lookup (echo) / the MTP head "
+                      "(mtp-like) against mlx-lm's plain decoding of the same shards in the same processes; "
+                      "without mlx.launch, the same on this device alone (the scaling reference). No mlxspec "
+                      "kernels on either. Rank 0 prints and writes --json. Default --workloads echo,mtp-like.")]
 KernelsOffOption = Annotated[bool, typer.Option(
     "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
                           "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "

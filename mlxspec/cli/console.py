@@ -285,3 +285,26 @@ def print_stats(stats, table: bool) -> None:
         stderr_console().print(Text(stats_line(stats), style="dim"), soft_wrap=True)
 
 
+@contextlib.contextmanager
+def progress(label: str):
+    """on_step(message, done, total): a progress bar on a terminal, else a line per phase."""
+    console = stderr_console()
+    if not console.is_terminal:
+        last = {"phase": None}
+
+        def on_step(message, done, total):
+            phase = message.split(":")[0]
+            if phase != last["phase"]:
+                last["phase"] = phase
+                print_note(f"{label}: {phase}")
+
+        yield on_step
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(label, total=None)
+        yield lambda message, done, total: progress.update(task, description=message,
+                                                           completed=done, total=total)

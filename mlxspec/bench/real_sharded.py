@@ -1,0 +1,232 @@
+"""``mlxspec bench --real-shapes SHAPES --sharded``: speculation on a target sharded over the
+processes of an ``mlx.launch`` run, against stock mlx-lm's plain decoding of the same sharded
+target in the same processes; started without ``mlx.launch``, the same on one device (the
+scaling reference).
+
+Every rank builds the same random model of the shape (same seed, :func:`.synthetic.random_model`),
+shards it with its family's ``shard(group)`` (mlx-lm's tensor parallelism, as ``sharded_load``
+does) and scripts its logits (:class:`.scripted.ScriptedLogits`; a head split over the
+vocabulary scripts its own slice). No mlxspec kernel is installed anywhere in the process (a
+sharded target never gets them: ``models.loader``), so the one-device reference runs without
+them too: both sides of the scaling ratio decode alike.
+
+The baseline, :data:`.real_plan.BASELINE`, is mlx-lm's ``generate_step`` on that model, in this process
+(a second process could not join the ranks' collectives). Before each baseline run the layers
+mlxspec's engine gave a class of its own (the GatedDeltaNet tape) get mlx-lm's class back;
+:func:`.stock_evidence.evidence` checks before the first baseline run and after the last that
+mlx-lm's functions are its own, nothing of mlxspec's is bound into mlx / mlx-lm and the model's
+layers are mlx-lm's (the scripting aside). It lists the kernel modules imported (the tape
+imports ``mlxspec.kernels.gdn`` for its own use); none of them is installed.
+
+Engines, decided as ``mlxspec run`` decides under ``mlx.launch``: no timed costs (the default
+cost curve; a drafter's cost from its bytes), the committed tokens compared across ranks after
+every step (:func:`mlxspec.engine.ranks.checked`). Cells: ``echo`` (mlxspec plain and prompt
+lookup) and ``mtp-like`` (the MTP head steered to the profile), each run right after a baseline
+run (ABAB, :func:`.real_summary.measure`), ``reps`` repetitions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import UsageError
+from .real_plan import BASELINE, Cell
+from .real_shapes import Run, forward_ms
+
+WHERE_BASELINE = "in the bench's own process (every rank), mlxspec's tape classes set back before each run"
+WORKLOADS = ("echo", "mtp-like")
+ENGINES = {"echo": ("mlxspec-none", "mlxspec-pld"), "mtp-like": ("mlxspec-mtp",)}
+FORWARD_WIDTHS = (2, 3, 4, 5, 8)
+# what mlx.launch's backends leave in the environment: which one this run uses
+BACKEND_VARS = {"NCCL_HOST_IP": "nccl", "MLX_JACCL_COORDINATOR": "jaccl", "MLX_HOSTFILE": "ring",
+                "OMPI_COMM_WORLD_SIZE": "mpi"}
+
+
+def backend_name() -> str | None:
+    return next((name for var, name in BACKEND_VARS.items() if os.environ.get(var)), None)
+
+
+def cells_of(workloads) -> list[Cell]:
+    out = []
+    for w in workloads:
+        if w not in ENGINES:
+            raise UsageError(f"--sharded runs the workloads {', '.join(WORKLOADS)}; got '{w}'")
+        out += [Cell(w, BASELINE)] + [Cell(w, e) for e in ENGINES[w]]
+    return out
+
+
+def shard(model, group) -> None:
+    """MODEL made this rank's shard over GROUP by its family's ``shard`` (mlx-lm's tensor
+    parallelism); the whole weights it drops are freed."""
+    import mlx.core as mx
+
+    if not hasattr(model, "shard"):
+        raise UsageError(f"{type(model).__module__} has no shard(): it cannot be sharded by tensor parallelism")
+    model.shard(group)
+    mx.eval(model.parameters())
+    mx.clear_cache()
+
+
+def stock_layers(model) -> int:
+    """Every layer of MODEL that mlxspec's engine gave a class of its own gets mlx-lm's class
+    back (the scripting stays: both engines run it); how many changed."""
+    from ..compat import unswap_class
+    from .stock_evidence import SCRIPTING
+
+    return sum(unswap_class(m) for _, m in model.named_modules() if type(m).__module__ != SCRIPTING)
+
+
+class ShardedShapeBench:
+    """One shape's sharded model, scripts and MTP head; :meth:`run` generates one cell. The
+    attributes :func:`.real_summary.summarize` reads (``shape``, ``scripts``, ``max_tokens``,
+    :meth:`ideal`) are those of :class:`.real_shapes.ShapeBench`."""
+
+    def __init__(self, shape: str, group, *, bits: int, prompt_tokens: int, max_tokens: int, workloads,
+                 reps: int, seed: int = 0, on_step=None):
+        from ..engine.cache import model_nbytes
+        from .script import make_script
+        from .scripted import ScriptedLogits
+        from .synthetic import random_model, random_mtp_head, vocab_size
+
+        say = on_step or (lambda *a: None)
+        self.shape, self.group, self.max_tokens, self.seed = shape, group, max_tokens, seed
+        ranks = group.size() if group is not None else 1
+        vocab = vocab_size(shape)
+        t0 = time.perf_counter()
+        say(f"{shape}: building the target ({bits}-bit)" + (f", sharding it over {ranks} ranks" if group else ""))
+        self.model = random_model(shape, bits=bits, kernels=False)
+        if group is not None:
+            shard(self.model, group)
+        self.target_logits = ScriptedLogits(self.model, [0])
+        self.head = None
+        if "mtp-like" in workloads:
+            say(f"{shape}: building the MTP head (whole on every rank)")
+            self.head = random_mtp_head(self.model, shape, bits=bits, kernels=False)
+        self.build_s = time.perf_counter() - t0
+        self.target_nbytes = model_nbytes(self.model)  # this rank's shard
+        self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
+        say(f"{shape}: timing forwards over a growing cache")
+        # every rank times the same forwards (their collectives pair up); rank 0's times are kept
+        self.forward = forward_ms(self.model, FORWARD_WIDTHS, prompt_tokens, reps, vocab)
+        self.evidence_first = self.evidence_last = None
+
+    def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
+        import mlx.core as mx
+
+        script = self.scripts[cell.workload]
+        self.target_logits.table = mx.array(script.target, mx.int32)
+        n = max_tokens or self.max_tokens
+        mx.synchronize()
+        mx.clear_cache()
+        if cell.engine == BASELINE:
+            return self._stock(script, n)
+        return self._mlxspec(script, n, cell)
+
+    def _stock(self, script, n: int) -> Run:
+        from .stock_evidence import evidence
+        from .stock_worker import generate
+
+        stock_layers(self.model)
+        if self.evidence_first is None:
+            self.evidence_first = evidence([self.model])
+        out = generate(self.model, None, script.prompt, n, 0.0, None, None)
+        self.evidence_last = evidence([self.model])  # kept from the last baseline run
+        return Run(out["tokens"], out["decode_s"])
+
+    def _mlxspec(self, script, n: int, cell: Cell) -> Run:
+        from ..engine.ranks import checked
+        from ..engine.sampling import SamplingParams
+        from ..engine.speculate import SpeculativeDecoder
+        from .script import SteeredLookup, SteeredMTP
+
+        if cell.engine == "mlxspec-pld":
+            drafter = SteeredLookup(script) if script.steered else "pld"
+        elif cell.engine == "mlxspec-mtp":  # its cost from its bytes against this rank's shard, as `run` does
+            drafter = SteeredMTP(self.head, self.target_nbytes, script)
+        else:
+            drafter = "none"
+        dec = SpeculativeDecoder(self.model, drafter=drafter, cost=None)
+        steps = dec.generate(script.prompt, sampling=SamplingParams(0.0), max_tokens=n)
+        if self.group is not None:
+            steps = checked(steps, self.group)
+        tokens, stamps, stats = [], [], None
+        for new, stats in steps:
+            if new:
+                tokens.extend(new)
+                stamps.append(time.perf_counter())
+        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict())
+
+    def ideal(self, cell: Cell, run: Run, plain_ms: float) -> None:
+        return None  # not modelled for a sharded target: the cells carry the measured forwards instead
+
+    def info(self, bits: int) -> dict:
+        from .stock_evidence import failures
+
+        evidence = self.evidence_last or self.evidence_first
+        ranks = self.group.size() if self.group is not None else 1
+        stock = stock_ok(self.evidence_first) and stock_ok(evidence)
+        where = f"{ranks} ranks, {backend_name()}" if ranks > 1 else "one device"
+        caption = (f"{BASELINE}: in this process ({where}), "
+                   f"mlx-lm's functions its own, nothing of mlxspec bound in mlx / mlx-lm, the model's layers "
+                   f"mlx-lm's: {'stock' if stock else 'NOT STOCK'}"
+                   + (f" ({len(evidence['originals'])} functions checked against mlx-lm's source)" if evidence else ""))
+        return {"baseline_caption": caption, "shape": self.shape, "bits": bits, "ranks": ranks,
+                "build_s": round(self.build_s, 1), "weights_mb_per_rank": round(self.target_nbytes / 1e6, 1),
+                "forward_ms": {str(k): round(v, 3) for k, v in self.forward.items()},
+                "baseline": BASELINE, "baseline_runs": WHERE_BASELINE, "baseline_evidence_first": self.evidence_first,
+                "baseline_evidence": evidence,
+                "baseline_failures": failures(evidence) if evidence else None}
+
+
+def stock_ok(ev: dict | None) -> bool:
+    """In this process the kernels' modules may be imported (the tape's own use): stock means
+    nothing of mlxspec bound into mlx / mlx-lm, mlx-lm's functions its own, its layers its own."""
+    from .stock_evidence import failures
+
+    return ev is not None and not [f for f in failures(ev) if not f.startswith("imported ")]
+
+
+def run_sharded(shapes, group, *, bits: int = 4, prompt_tokens: int = 512, max_tokens: int = 128,
+                reps: int = 8, workloads=WORKLOADS, seed: int = 0, on_step=None, on_partial=None) -> dict:
+    """Every cell of every shape over GROUP (None: this device alone), ``reps`` ABAB
+    repetitions against mlx-lm's plain decoding of the same model; the JSON-ready result.
+    Every rank runs the same cells in the same order; rank 0's timings are the result."""
+    import mlx.core as mx
+
+    from .real_summary import measure, summarize
+
+    if reps < 1 or prompt_tokens < 8 or max_tokens < 2:
+        raise UsageError("--reps must be >= 1, --prompt-tokens >= 8 and --max-tokens >= 2")
+    cells = cells_of(workloads)
+    say = on_step or (lambda *a: None)
+    config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+              "reps": reps, "order": "ABAB", "workloads": list(workloads), "temperature": 0.0, "seed": seed,
+              "ranks": group.size() if group is not None else 1, "backend": backend_name() if group else None,
+              "kernels": "none (a sharded target gets none; the one-device reference neither)"}
+    cells_out, shapes_out = [], []
+
+    def result(cells_now, infos):
+        stock = all(stock_ok(i["baseline_evidence"]) and stock_ok(i["baseline_evidence_first"]) for i in infos)
+        return {"baseline": BASELINE, "baseline_runs": WHERE_BASELINE, "baseline_stock": stock, "config": config,
+                "shapes": infos, "cells": cells_now}
+
+    for si, shape in enumerate(shapes):
+        bench = ShardedShapeBench(shape, group, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                                  workloads=workloads, reps=reps, seed=seed,
+                                  on_step=lambda m: say(m, si, len(shapes)))
+        for cell in cells:  # warm-up: MLX's CUDA backend builds kernels per new input shape
+            say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))
+            bench.run(cell)
+
+        def partial(rep, runs, pairs):
+            if on_partial is not None:
+                on_partial(result(cells_out + summarize(bench, cells, runs, pairs), shapes_out + [bench.info(bits)]))
+
+        runs, pairs = measure(bench, cells, reps, lambda m: say(f"{shape}: {m}", si, len(shapes)), partial)
+        cells_out += [c | {"ranks": config["ranks"]} for c in summarize(bench, cells, runs, pairs)]
+        shapes_out.append(bench.info(bits))
+        bench = None
+        mx.clear_cache()
+    say("done", len(shapes), len(shapes))
+    return result(cells_out, shapes_out)
