@@ -34,6 +34,27 @@ def complete(env, words, cword):
     return proc.stdout.split()
 
 
+def complete_here(monkeypatch, capsys, env, words, cword):
+    """complete() in this process, through the console script's entry point (cli.main) with
+    ENV's variables: what Typer's completion prints, without a process start (mlx and mlxspec
+    imported again) for each. test_completion_of_commands_models_and_choices keeps one real
+    process (the MODEL values, read from the Hugging Face cache), the script tests the rest."""
+    from mlxspec.cli import main
+
+    env = dict(env, COMP_WORDS=words, COMP_CWORD=str(cword), _MLXSPEC_COMPLETE="complete_bash")
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mlxspec"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    out, err = capsys.readouterr()
+    assert exit_.value.code in (0, None) and "Traceback" not in err, err
+    return out.split()
+
+
 def fake_cached_model(cache: Path, repo_id: str):
     """A Hugging Face cache entry laid out as huggingface_hub writes it (blob + snapshot link)."""
     repo = cache / f"models--{repo_id.replace('/', '--')}"
@@ -59,17 +80,19 @@ def test_completion_scripts_and_install(tmp_path):
     assert ".bash_completions/mlxspec.sh" in (home / ".bashrc").read_text()
 
 
-def test_completion_of_commands_models_and_choices(tmp_path):
+def test_completion_of_commands_models_and_choices(tmp_path, monkeypatch, capsys):
     env = cli_env(tmp_path)
-    assert complete(env, "mlxspec ru", 1) == ["run"]
-    assert {"serve", "pull", "profile"} <= set(complete(env, "mlxspec ", 1))
+    here = lambda words, cword: complete_here(monkeypatch, capsys, env, words, cword)  # noqa: E731
+    assert here("mlxspec ru", 1) == ["run"]
+    assert {"serve", "pull", "profile"} <= set(here("mlxspec ", 1))
     fake_cached_model(tmp_path / "hub", "tiny-org/Tiny-Qwen3")
-    models = complete(env, "mlxspec run ", 2)
+    models = complete(env, "mlxspec run ", 2)  # a real process
     assert models[0] == "tiny-org/Tiny-Qwen3" and "qwen3-0.6b" in models  # cached first, then aliases
-    assert complete(env, "mlxspec rm tiny", 2) == ["tiny-org/Tiny-Qwen3"]
-    assert complete(env, "mlxspec run ./", 2) == []  # paths: the shell's own file completion
-    assert complete(env, "mlxspec serve --drafter m", 3) == ["mtp"]
-    assert complete(env, "mlxspec run --reasoning o", 3) == ["on", "off"]
+    assert here("mlxspec run ", 2) == models
+    assert here("mlxspec rm tiny", 2) == ["tiny-org/Tiny-Qwen3"]
+    assert here("mlxspec run ./", 2) == []  # paths: the shell's own file completion
+    assert here("mlxspec serve --drafter m", 3) == ["mtp"]
+    assert here("mlxspec run --reasoning o", 3) == ["on", "off"]
 
 
 def _pty_output(args, env) -> str:

@@ -54,6 +54,27 @@ def _cli(*args, env=None):
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+def _cli_here(capsys, monkeypatch, *args):
+    """`mlxspec convert ARGS` in this process, through the console script's own entry point
+    (cli.main: its exit codes, its one-line errors), as _cli's environment has it. Each test
+    keeps one run through a real process (_cli), as test_cli_source_without_head does; the rest
+    here save a process start (mlx and mlxspec imported again) each."""
+    from mlxspec.cli import main
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("MLXSPEC_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["mlxspec", "convert", *map(str, args)])
+    capsys.readouterr()
+    try:
+        main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(sys.argv, code, out, err)
+
+
 def _assert_one_line_error(proc, *fragments):
     assert proc.returncode != 0, proc.stdout
     assert "Traceback" not in proc.stderr
@@ -195,7 +216,7 @@ def test_nextn_head_is_copied(tmp_path):
     assert all(mx.array_equal(after.tensors[k], before.tensors[k]).item() for k in before.tensors)
 
 
-def test_cli_summary_and_existing_output(tiny_qwen3_5, tmp_path):
+def test_cli_summary_and_existing_output(tiny_qwen3_5, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     proc = _cli(tiny_qwen3_5, out, "--q-bits", "4", "--q-group-size", "32")
     assert proc.returncode == 0, proc.stderr
@@ -206,7 +227,7 @@ def test_cli_summary_and_existing_output(tiny_qwen3_5, tmp_path):
     assert "1 layer" in summary[0] and "4-bit" in summary[0] and "B," in summary[0]
 
     before = sorted(p.name for p in out.iterdir())
-    again = _cli(tiny_qwen3_5, out)
+    again = _cli_here(capsys, monkeypatch, tiny_qwen3_5, out)
     _assert_one_line_error(again, "not empty", "--force")
     assert sorted(p.name for p in out.iterdir()) == before
     # a failed --force run leaves the existing output alone
@@ -214,10 +235,10 @@ def test_cli_summary_and_existing_output(tiny_qwen3_5, tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
     (broken / "model.safetensors").write_bytes(b"")
-    _assert_one_line_error(_cli(broken, out, "--force"), "no_such_arch")
+    _assert_one_line_error(_cli_here(capsys, monkeypatch, broken, out, "--force"), "no_such_arch")
     assert sorted(p.name for p in out.iterdir()) == before
 
-    forced = _cli(tiny_qwen3_5, out, "--force")
+    forced = _cli_here(capsys, monkeypatch, tiny_qwen3_5, out, "--force")
     assert forced.returncode == 0, forced.stderr
     assert "15 tensors, unquantized" in forced.stdout
     assert not any(tmp_path.glob(".*partial*"))
@@ -236,17 +257,17 @@ def test_cli_source_without_head(tiny_qwen3, tmp_path):
     assert _greedy(model, prompt, 8) == _greedy(src, prompt, 8)
 
 
-def test_cli_bad_inputs(tmp_path, tiny_qwen3_5):
+def test_cli_bad_inputs(tmp_path, tiny_qwen3_5, capsys, monkeypatch):
     _assert_one_line_error(_cli(tmp_path / "missing", tmp_path / "o1"), "does not exist")
     empty = tmp_path / "empty"
     empty.mkdir()
-    _assert_one_line_error(_cli(empty, tmp_path / "o2"), "no config.json")
+    _assert_one_line_error(_cli_here(capsys, monkeypatch, empty, tmp_path / "o2"), "no config.json")
     odd = tmp_path / "odd"
     shutil.copytree(tiny_qwen3_5, odd)
     config = json.loads((odd / "config.json").read_text())
     config["model_type"] = "no_such_arch"
     (odd / "config.json").write_text(json.dumps(config))
-    _assert_one_line_error(_cli(odd, tmp_path / "o3"), "no_such_arch", "does not support")
+    _assert_one_line_error(_cli_here(capsys, monkeypatch, odd, tmp_path / "o3"), "no_such_arch", "does not support")
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o3"))
 
 

@@ -46,6 +46,20 @@ def greedy_reference(model, prompt, n=N_TOKENS):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(models):
+    """(arch, prompt text) -> mlx-lm's greedy N_TOKENS on models[arch]: deterministic, so decoded
+    once for every test of the module that compares with it."""
+    made = {}
+
+    def get(arch, text):
+        if (arch, text) not in made:
+            model, tok = models[arch]
+            made[arch, text] = greedy_reference(model, tok.encode(text))
+        return made[arch, text]
+    return get
+
+
 def speculate(model, prompt, n=N_TOKENS, **kw):
     dec = SpeculativeDecoder(model, gates=False, **kw)
     out, stats = [], None
@@ -55,12 +69,12 @@ def speculate(model, prompt, n=N_TOKENS, **kw):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "swa"])
-def test_prompt_lookup_is_exact(models, arch):
+def test_prompt_lookup_is_exact(models, reference, arch):
     model, tok = models[arch]
     fired = 0
     for text in PROMPTS:
         prompt = tok.encode(text)
-        ref = greedy_reference(model, prompt)
+        ref = reference(arch, text)
         for depth in range(1, 9):
             got, _ = speculate(model, prompt, drafter="pld", depth=depth)
             assert got == ref, f"{arch} depth {depth} prompt {text[:20]!r}"
@@ -73,24 +87,24 @@ def test_prompt_lookup_is_exact(models, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "swa"])
-def test_draft_model_is_exact(models, draft, arch):
+def test_draft_model_is_exact(models, reference, draft, arch):
     model, tok = models[arch]
     for text in PROMPTS[:2]:
         prompt = tok.encode(text)
-        ref = greedy_reference(model, prompt)
+        ref = reference(arch, text)
         for depth in (1, 2, 3, 5, 8):
             got, stats = speculate(model, prompt, drafter="draft", draft_model=draft, depth=depth)
             assert got == ref, f"{arch} depth {depth}"
             assert stats.drafted > 0
 
 
-def test_hybrid_partial_acceptance_is_exact(models, near_copy_hybrid):
+def test_hybrid_partial_acceptance_is_exact(models, reference, near_copy_hybrid):
     """Rejections in the middle of a draft restore the GatedDeltaNet state and re-feed."""
     model, tok = models["qwen3_5"]
     partial = 0
     for text in PROMPTS:
         prompt = tok.encode(text)
-        ref = greedy_reference(model, prompt)
+        ref = reference("qwen3_5", text)
         for depth in (2, 4, 8):
             got, stats = speculate(model, prompt, drafter="draft", draft_model=near_copy_hybrid, depth=depth)
             assert got == ref, f"depth {depth}"
@@ -98,11 +112,11 @@ def test_hybrid_partial_acceptance_is_exact(models, near_copy_hybrid):
     assert partial > 0
 
 
-def test_none_drafter_is_plain_decoding(models):
+def test_none_drafter_is_plain_decoding(models, reference):
     model, tok = models["qwen3_5"]
     prompt = tok.encode(PROMPTS[0])
     got, stats = speculate(model, prompt, drafter="none")
-    assert got == greedy_reference(model, prompt)
+    assert got == reference("qwen3_5", PROMPTS[0])
     assert stats.verify_steps == 0 and stats.plain_steps == N_TOKENS
 
 
@@ -158,13 +172,13 @@ def test_hybrid_rollback_restores_recurrent_state(models, monkeypatch):
     spec.model = spec_model_call
     assert mx.allclose(spec.forward(probe, rollback=False), seq.forward(probe, rollback=False), atol=1e-4).item()
 
-def test_sliding_window_draft_model_is_exact(models):
+def test_sliding_window_draft_model_is_exact(models, reference):
     """A draft model whose window wraps during 1-token draft steps cannot rewind in place:
     it starts over from the committed tokens, and the output stays exact."""
     target, tok = models["llama"]
     swa_draft = models["swa"][0]
     prompt = tok.encode(PROMPTS[1])
-    ref = greedy_reference(target, prompt)
+    ref = reference("llama", PROMPTS[1])
     for depth in (2, 5):
         got, stats = speculate(target, prompt, drafter="draft", draft_model=swa_draft, depth=depth)
         assert got == ref

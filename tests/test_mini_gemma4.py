@@ -96,17 +96,32 @@ def test_trained_assistant_drafts_held_out_code(pair):
     assert accepted / drafted >= ASSISTANT_FLOOR
 
 
+# Tokens a temperature-0 run compares: the ~300-450-token prompts' prefills are most of each
+# run's time; in 24 tokens each config has drafts kept to its full depth and drafts rejected
+# (measured: pld 48/59 accepted, assistant depth 2 43/57, depth 4 53/69), checked below.
+T0_TOKENS = 24
+
+
 def test_temperature_zero_is_plain_decoding_on_real_text(pair):
     loaded, assistant = pair
     model = loaded.model
+    configs = ({"drafter": "pld", "depth": 4}, {"drafter": "assistant", "depth": 2, "draft_model": assistant},
+               {"drafter": "assistant", "depth": 4, "draft_model": assistant})
+    drafted, accepted, deepest = [0] * 3, [0] * 3, [0] * 3
     for workload in ("echo", "completion", "toolcall"):
         prompt = workload_prompts(workload, loaded.tokenizer, 1)[0]
-        expected = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=40), range(40))]
-        for kw in ({"drafter": "pld", "depth": 4}, {"drafter": "assistant", "depth": 2, "draft_model": assistant},
-                   {"drafter": "assistant", "depth": 4, "draft_model": assistant}):
-            out, stats = run_decoder(model, prompt, 40, **kw)
+        steps = generate_step(mx.array(prompt), model, max_tokens=T0_TOKENS)
+        expected = [t for (t, _), _ in zip(steps, range(T0_TOKENS))]
+        for i, kw in enumerate(configs):
+            out, stats = run_decoder(model, prompt, T0_TOKENS, **kw)
             assert out == expected, (workload, kw["drafter"], kw["depth"])
             assert stats.drafted > 0
+            drafted[i] += stats.drafted
+            accepted[i] += stats.accepted
+            deepest[i] += stats.position_accepted[kw["depth"] - 1]
+    # every config's drafts were kept to its full depth, and rejected (the rollback ran)
+    assert all(d > a > 0 for d, a in zip(drafted, accepted)), (drafted, accepted)
+    assert all(deepest), deepest
 
 
 def test_bench_runs_the_assistant_engine_and_skips_the_draft_model_ones():

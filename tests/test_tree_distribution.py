@@ -7,11 +7,13 @@ the tree IN THE LOOP (the tree forward, the kept path, the drafter's context aft
 accepted, the gate fed the chain inside the tree), with the battery of
 tests/test_dflash_distribution.py at N_TREES draws.
 
-Power (``test_the_tree_test_has_power``, simulated): N_TREES = 500 draws give the battery 0.99
-against "position 2 off by 3 points of probability" (stats_helpers.shift_at). The rule alone is
+Power (``test_the_tree_test_has_power``, simulated): N_TREES = 300 draws give the battery 0.94
+(>= 0.9, the house minimum; 250 would give 0.89) against "position 2 off by 3 points of
+probability" (stats_helpers.shift_at). The rule alone is
 also tested on fixed distributions in tests/test_tree.py, where draws are cheap. The planted bug (SpecInfer's
 rule without its residual: a rejected draw's successor tested against p instead of
-norm(max(p - q, 0))) is caught with p < 1e-9 at N_TREES_PLANTED = 300.
+norm(max(p - q, 0))) is caught with p < 1e-9 at N_TREES_PLANTED = 150 (measured: 1e-43; 1e-98 at
+300).
 """
 
 from collections import Counter
@@ -33,8 +35,8 @@ from test_dflash_distribution import (
 )
 
 BUDGET = 7  # nodes a tree: more than its depth, so siblings are drawn
-N_TREES = 500
-N_TREES_PLANTED = 300
+N_TREES = 300  # power 0.94 (test_the_tree_test_has_power)
+N_TREES_PLANTED = 150
 
 
 def sample_trees(target, drafter, n):
