@@ -5,7 +5,8 @@ drafter), mini-draft (a draft model). Both shard with mlx-lm's own ``shard()`` a
 (2 attention heads, 2 / 4 linear-attention heads; the one KV head is repeated by it).
 
 - Temperature 0: every drafter's tokens are the single process's, on every rank.
-  Also a random-weight Qwen3.5 checkpoint with an untied (vocabulary-split) lm_head.
+  Also a random-weight Qwen3.5 checkpoint with an untied (vocabulary-split) lm_head, and a
+  Qwen3-Next one, a family mlx-lm splits by layers (pipeline parallel), with prompt lookup.
 - Seeded temperature > 0: every rank commits the same tokens; they are the single process's
   where no decision reads the target's size (plain decoding, prompt lookup). The other drafters
   weigh a draft against the target's bytes, and a rank holds half of them: their gates (and
@@ -119,9 +120,42 @@ ATTENTION = [_case("attn-dflash", "dflash"), _case("attn-dflash-chain", "dflash"
 # a random-weight Qwen3.5 checkpoint (tests/tiny.py) with what the mini models lack: an untied
 # lm_head, which mlx-lm splits over the vocabulary (the MTP head reads it through the trunk)
 UNTIED = [_case("untied-mtp", "mtp"), _case("untied-seeded-mtp", "mtp", 0.8, 2)]
+# a random-weight Qwen3-Next: mlx-lm gives its family no shard(), so sharded_load splits it by
+# layers (pipeline parallel: rank 0 the last two layers, rank 1 the first two, hidden states
+# sent between them); a repeating prompt, so prompt lookup drafts and is rejected
+REPEATS = "abcabcabcabcabcabc"
+PIPELINE = [_case("pipeline-pld", "pld", prompt=REPEATS, max_tokens=40),
+            _case("pipeline-seeded-pld", "pld", 0.8, 5, prompt=REPEATS, max_tokens=40)]
 JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draft"), "cases": HYBRID},
         {"target": str(MODELS / "mini-attn"), "draft": str(MODELS / "mini-attn-DFlash"), "cases": ATTENTION},
-        {"target": "tiny_qwen3_5", "cases": UNTIED}]
+        {"target": "tiny_qwen3_5", "cases": UNTIED}, {"target": "tiny_qwen3_next", "cases": PIPELINE}]
+
+
+def _qwen3_next_checkpoint(out: Path) -> Path:
+    """A tiny Qwen3-Next checkpoint as mlx-lm saves one (with the model.safetensors.index.json
+    sharded_load reads to split it by layers), a character tokenizer of 38 tokens."""
+    import mlx.core as mx
+    from mlx_lm.models import qwen3_next
+    from mlx_lm.utils import save_config, save_model
+
+    out.mkdir(parents=True)
+    tiny.write_minimal_tokenizer(out, 38)
+    _, special = tiny.tokenizer_info(out)
+    config = dict(model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                  linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                  shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
+                  rms_norm_eps=1e-6, vocab_size=38, rope_theta=10000.0, partial_rotary_factor=0.25,
+                  max_position_embeddings=4096, full_attention_interval=2, tie_word_embeddings=False,
+                  eos_token_id=[special[tiny.EOS_TOKEN]])
+    assert not hasattr(qwen3_next.Model, "shard")  # what makes this the pipeline-parallel case
+    mx.random.seed(0)
+    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +168,8 @@ def runs(tmp_path_factory, background):
     out.mkdir()
     # vocabulary 38 (a character tokenizer): even, as a vocabulary-split lm_head needs
     tiny_models = {"tiny_qwen3_5": str(tiny.write_checkpoint(tmp_path / "tiny_qwen3_5", "qwen3_5", vocab_size=38,
-                                                             seed=4))}
+                                                             seed=4)),
+                   "tiny_qwen3_next": str(_qwen3_next_checkpoint(tmp_path / "tiny_qwen3_next"))}
     jobs = [{**job, "target": tiny_models.get(job["target"], job["target"])} for job in JOBS]
     launch = Started(tmp_path, "launch", _launch_args(JOB, out, json.dumps(jobs)), _env(tmp_path))
     try:
@@ -151,7 +186,7 @@ def runs(tmp_path_factory, background):
 
 def test_every_rank_commits_the_same_tokens(runs):
     rank0, rank1, _ = runs
-    for case in HYBRID[:-1] + ATTENTION + UNTIED:
+    for case in HYBRID[:-1] + ATTENTION + UNTIED + PIPELINE:
         name = case["id"]
         assert "tokens" in rank0[name] and rank0[name]["sharded"], rank0[name]
         assert rank0[name] == rank1[name], name
@@ -160,7 +195,7 @@ def test_every_rank_commits_the_same_tokens(runs):
 
 def test_temperature_zero_is_the_single_process_output(runs):
     rank0, _, single = runs
-    for case in HYBRID + ATTENTION + UNTIED:
+    for case in HYBRID + ATTENTION + UNTIED + PIPELINE:
         if case["temperature"] == 0:
             assert rank0[case["id"]]["tokens"] == single[case["id"]]["tokens"], case["id"]
     assert rank0["attn-dflash"]["tree_steps"] > 0  # trees verified on the sharded target, not only chains
@@ -170,8 +205,9 @@ def test_temperature_zero_is_the_single_process_output(runs):
 
 def test_seeded_sampling_is_the_single_process_output_where_no_decision_reads_sizes(runs):
     rank0, _, single = runs
-    for name in ("seeded-none", "seeded-pld"):
+    for name in ("seeded-none", "seeded-pld", "pipeline-seeded-pld"):
         assert rank0[name]["tokens"] == single[name]["tokens"], name
+    assert rank0["pipeline-pld"]["drafted"] > rank0["pipeline-pld"]["accepted"]  # a pipeline stage rolled back
     # for the untied tiny model the MTP head's gates happen to decide alike too
     assert rank0["untied-seeded-mtp"]["tokens"] == single["untied-seeded-mtp"]["tokens"]
 
