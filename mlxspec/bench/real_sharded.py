@@ -63,7 +63,11 @@ def shard(model, group) -> None:
 
     if not hasattr(model, "shard"):
         raise UsageError(f"{type(model).__module__} has no shard(): it cannot be sharded by tensor parallelism")
-    model.shard(group)
+    try:
+        model.shard(group)
+    except (AssertionError, ValueError) as err:  # mlx-lm asserts what does not divide
+        detail = " ".join(str(err).split())[:160] or "its sizes do not divide"
+        raise UsageError(f"cannot shard this shape over {group.size()} ranks: {detail}") from None
     mx.eval(model.parameters())
     mx.clear_cache()
 
