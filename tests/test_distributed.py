@@ -564,6 +564,13 @@ def test_watchdog_fires_only_while_a_step_is_in_flight(monkeypatch):
     count = len(fired)
     now[0] += 100
     assert not dog.overdue() and len(fired) == count
+    with dog.watching(limit=1.5):  # the per-step exchange's shorter bound (ranks.EXCHANGE_LIMIT_S)
+        now[0] += 1.6
+        assert dog.overdue() and fired[-1] == 1.5
+    monkeypatch.setenv(watchdog.TIMEOUT_ENV, "1")
+    with dog.watching(limit=1.5):  # MLXSPEC_PEER_TIMEOUT below the limit still rules
+        now[0] += 1.1
+        assert dog.overdue() and fired[-1] == 1.0
     monkeypatch.setenv(watchdog.TIMEOUT_ENV, "soon")
     with pytest.raises(Exception, match="MLXSPEC_PEER_TIMEOUT must be a number of seconds above 0"):
         watchdog.timeout_s()

@@ -29,6 +29,14 @@ from ..errors import RankError
 from ..models.sharding import lost_peer, nccl_run
 from . import watchdog
 
+# The most a rank waits in the per-step exchange: the ranks reach it within their host-side
+# skew of each other (they finished the same forward, whose collectives paired them, and rank
+# 0's consumer takes its chunk in between: printing, a server's queue), so seconds at most.
+# After a peer died, the ring backend has been seen to fail its pending tasks and then leave
+# the next exchange waiting for ever (prompt lookup's queued verify on a loaded 2-core machine:
+# 7 runs in 18); the watchdog ends that wait after this, not after the 300 s a step may take.
+EXCHANGE_LIMIT_S = 30.0
+
 
 def same_seed(seed: int | None, group) -> int:
     """SEED, or when None a random one drawn by rank 0 and handed to every rank: an unseeded
@@ -76,7 +84,7 @@ def checked(steps: Iterator, group) -> Iterator:
                 closing = True
                 _closing(digest, group)
                 raise
-            with watchdog.watching():
+            with watchdog.watching(EXCHANGE_LIMIT_S):
                 if not _exchange(digest, True, group):
                     return  # another rank's consumer stopped at this step
     finally:
@@ -107,7 +115,7 @@ def _closing(digest: int, group) -> None:
     # the consumer stopped: the others wait for this step's word. A peer lost now is reported
     # by the next collective; a difference, by the others (they raise), not by a closing generator
     try:
-        with watchdog.watching():
+        with watchdog.watching(EXCHANGE_LIMIT_S):
             _exchange(digest, False, group)
     except (RankError, RuntimeError):
         pass

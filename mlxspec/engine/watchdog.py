@@ -66,8 +66,10 @@ class Watchdog:
         return self._deadline is not None
 
     @contextmanager
-    def watching(self) -> Iterator[None]:
-        timeout = timeout_s()
+    def watching(self, limit: float | None = None) -> Iterator[None]:
+        """Armed for the block: a step must finish within $MLXSPEC_PEER_TIMEOUT seconds, or
+        LIMIT when that is shorter (an outermost block's bound holds for the blocks inside)."""
+        timeout = timeout_s() if limit is None else min(timeout_s(), limit)
         with self._lock:
             if self._depth == 0:
                 self._timeout = timeout
