@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import UsageError
-from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, QUANT_BITS, check_values
+from ..options import DRAFTERS, FLAGS, MAX_DEPTH, MIN_DEPTH, check_values
 from .app import app
 from .bench_concurrency import run_concurrency, run_real_concurrency_cli
 from .bench_options import (
@@ -46,6 +46,7 @@ from .bench_options import (
     TempPassOption,
     WorkloadsDirOption,
     WorkloadsOption,
+    check_bits,
 )
 from .bench_sharded import run_sharded_cli
 from .console import (
@@ -221,7 +222,7 @@ def _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_s
     if real_shapes is not None:
         _check(model is None and draft_model is None,
                "--real-shapes builds its own random models: give no MODEL or --draft-model")
-        _check_bits(bits)
+        check_bits(bits)
         return run_real_concurrency_cli(real_shapes, concurrency, bits=bits, workloads=workloads,
                                         prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128, reps=reps or 8,
                                         seed=seed, join_tokens=join_tokens, json_path=json_path, progress=progress)
@@ -246,10 +247,6 @@ def _check_png(png_path: Optional[str]) -> None:
         check_matplotlib()
 
 
-def _check_bits(bits: int) -> None:
-    _check(bits in QUANT_BITS, f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
-
-
 def _check_dtype(dtype: Optional[str]) -> None:
     _check(dtype is None or dtype in DTYPES, f"--dtype must be float32, bfloat16 or float16; got {dtype}")
 
@@ -267,7 +264,7 @@ def _redraw(paths: list[str], png_path: Optional[str]) -> None:
 def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_tokens, reps, seed, temperature,
                      outputs) -> None:
     """``bench --real-shapes``: the engines on scripted random-weight models."""
-    _check_bits(bits)
+    check_bits(bits)
     from ..bench.prompts import parse_list
     from ..bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
     from ..bench.report import real_shapes_document, write_json
@@ -294,7 +291,7 @@ def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_
 
 def _run_sweep(names: str, *, bits, kernels_off, tokens, context, reps, outputs) -> None:
     """``bench --sweep``: forwards of 1..TOKENS tokens on random-weight models."""
-    _check_bits(bits)
+    check_bits(bits)
     from ..kernels import cuda
 
     _check(not kernels_off or cuda(), "--kernels-off compares mlxspec's CUDA kernels: this "
@@ -377,7 +374,7 @@ def _run_chat(model, draft_model, shapes, turns, context, user_tokens, drafter, 
     if shapes is not None:
         _check(model is None and draft_model is None,
                "--chat-shapes builds its own random models: give no MODEL or --draft-model")
-        _check_bits(bits)
+        check_bits(bits)
         _check(drafter in ("pld", "none"), f"--drafter with --chat-shapes must be pld or none "
                                            f"(random models have no MTP head or draft model); got {drafter}")
         from ..bench.sweep import parse_shapes

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..options import FLAGS, MAX_DEPTH, MIN_DEPTH
+from ..errors import UsageError
+from ..options import FLAGS, MAX_DEPTH, MIN_DEPTH, QUANT_BITS
 from .console import complete_model
 
 DEFAULT_MODEL = Path("benchmarks/models/mini-hybrid")
@@ -140,3 +141,9 @@ KernelsOffOption = Annotated[bool, typer.Option(
     "--kernels-off", help="Sweep: also time every shape with mlxspec's CUDA kernels off "
                           "(MLXSPEC_KERNELS=0: MLX's and mlx-lm's own paths), same weights, as a column "
                           "'SHAPE (kernels off)'. Only on MLX's CUDA backend.")]
+
+
+def check_bits(bits: int) -> None:
+    """--bits of the random-weight models (--sweep, --real-shapes, --chat-shapes)."""
+    if bits not in QUANT_BITS:
+        raise UsageError(f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")

@@ -4,7 +4,7 @@ under ``mlx.launch`` (every rank runs it; rank 0 alone prints and writes) or on 
 from __future__ import annotations
 
 from ..errors import UsageError
-from ..options import QUANT_BITS
+from .bench_options import check_bits
 from .console import print_note, progress, stdout_console
 
 
@@ -15,8 +15,7 @@ def run_sharded_cli(names: str | None, others, *, bits: int, workloads, prompt_t
     if names is None or any(v is not None for v in others):
         raise UsageError("--sharded runs with --real-shapes (its own random models): give no MODEL, "
                          "--draft-model or --sweep")
-    if bits not in QUANT_BITS:
-        raise UsageError(f"--bits must be 0 (bf16) or 2, 3, 4, 5, 6, 8; got {bits}")
+    check_bits(bits)
     from ..bench.prompts import parse_list
     from ..bench.real_plan import parse_shapes
     from ..bench.real_sharded import WORKLOADS, run_sharded
