@@ -141,8 +141,7 @@ def _token_bytes(tokens) -> bytes:
 
 def _exchange(digest: int, go: bool, group) -> bool:
     """Compare DIGEST across the ranks (RankError on a difference); whether every rank goes on."""
-    with _one_line():
-        rows = gathered([digest, int(go)], group)
+    rows = gathered([digest, int(go)], group)
     digests = [row[0] for row in rows]
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]

@@ -1,10 +1,11 @@
 """A target sharded over several processes with MLX's own distributed engine.
 
 Started by ``mlx.launch`` (every backend it knows: ring, JACCL, MPI, NCCL), each process
-loads the target through mlx-lm's ``sharded_load``: tensor parallel through the model's
-``shard(group)`` where its family has one, pipeline parallel (``model.model.pipeline``)
-otherwise. mlxspec adds no transport: the model's own collectives are the only traffic, plus
-the engine's rank-consistency check (engine/ranks.py).
+loads the target through mlx-lm's ``sharded_load`` (over NCCL, its same steps with the
+closing barrier on a GPU stream): tensor parallel through the model's ``shard(group)`` where
+its family has one, pipeline parallel (``model.model.pipeline``) otherwise. mlxspec adds no
+transport: the model's own collectives are the only traffic, plus the engine's
+rank-consistency check (engine/ranks.py).
 
 A process not started by ``mlx.launch`` never calls ``mx.distributed.init()``: ``launched()``
 reads the environment only, so a single-process run pays nothing and behaves as before.
@@ -58,9 +59,10 @@ def world() -> Any:
 
 def load_sharded(path: Path, name: str, group) -> tuple[Any, Any, dict]:
     """(model, tokenizer, config) of the checkpoint at PATH, this rank's shard of it: mlx-lm's
-    ``sharded_load`` (tensor parallel if the family has ``shard``, else pipeline), which ends
-    with a barrier so no rank starts generating before every rank holds its shard. It shards
-    over ``mx.distributed.init()``'s group: GROUP, the one ``world()`` joined."""
+    ``sharded_load`` (tensor parallel if the family has ``shard``, else pipeline; over NCCL
+    :func:`_load_for_nccl`), which ends with a barrier so no rank starts generating before
+    every rank holds its shard. It shards over ``mx.distributed.init()``'s group: GROUP, the one
+    ``world()`` joined."""
     from mlx_lm.utils import sharded_load
 
     try:
