@@ -277,6 +277,19 @@ def _follow(spec) -> None:
     from ..server.sharded import follow
 
     follow(spec, spec.target.group)
+    _end_sharded_process()
+
+
+def _end_sharded_process() -> None:
+    """Exit 0 now that every rank has stopped serving, without the interpreter's teardown: there
+    MLX's C++ state (the ring backend's threads) is destroyed while a Python thread may still
+    collect garbage, which aborted rank 0 in about 1 exit in 10 ("terminate called without an
+    active exception", SIGABRT), and mlx.launch reports such a rank as failed."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:
@@ -324,3 +337,5 @@ def _run_server(application, host: str, port: int, log_level: str) -> None:
         raise typer.Exit(1) from None
     finally:  # a sharded target's other ranks stop with it
         application.state.server.close()
+    if application.state.server.group is not None:
+        _end_sharded_process()
