@@ -111,7 +111,7 @@ class SpecModel:
             from .models.mtp import load_mtp_head
 
             try:
-                head = load_mtp_head(self.target.model, self.target.path, self.target.config)
+                head = load_mtp_head(self.target.model, self.target.path, self.target.config, self.target.group)
                 self._mtp = (head, None if head else "the checkpoint has no MTP head")
             except MlxspecError as err:
                 self._mtp = (None, str(err))

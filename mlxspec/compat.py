@@ -131,3 +131,15 @@ def gather_last_axis(x, group):
     from mlx_lm.models.base import gather_last_axis as gather
 
     return gather(x, group)
+
+
+def shard_qwen3_5_layers(layers: list, group) -> None:
+    """Shard LAYERS (mlx-lm ``qwen3_5`` DecoderLayers: an MTP head's) over GROUP in place, as
+    ``qwen3_5.Model.shard`` shards the trunk's own: that method is called on a stand-in whose
+    ``layers`` are these and whose lm_head counts as tied (the head has none of its own)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.qwen3_5 import Model
+
+    tied = SimpleNamespace(args=SimpleNamespace(tie_word_embeddings=True))
+    Model.shard(SimpleNamespace(layers=layers, language_model=tied), group)

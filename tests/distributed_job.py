@@ -5,13 +5,15 @@ OUT/rank<r>.json (OUT/single.json when not launched).
 
     python distributed_job.py OUT JOBS_JSON
 
-JOBS_JSON: [{"target", "draft", "cases": [case, ...]}, ...]; a case is {"id", "prompt",
+JOBS_JSON: [{"target", "draft", "env"?, "cases": [case, ...]}, ...] ("env": variables set while
+the job runs, e.g. MLXSPEC_MTP_HEAD); a case is {"id", "prompt",
 "drafter", "temperature", "seed", "max_tokens", "tree"?}. "seed": "rank" gives each rank its own
 seed (a planted divergence: the rank check must stop it). A result is {"tokens": [...], ...}
 (and "text") or {"error": "<type>: <message>"}.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +24,8 @@ def run(out: Path, jobs: list[dict]) -> dict:
 
     results, rank = {}, None
     for job in jobs:
+        saved = {name: os.environ.get(name) for name in job.get("env", {})}
+        os.environ.update(job.get("env", {}))
         spec = mlxspec.load(job["target"], draft_model=job.get("draft"))
         group = spec.target.group
         rank = group.rank() if group is not None else None
@@ -34,8 +38,12 @@ def run(out: Path, jobs: list[dict]) -> dict:
                 results[case["id"]] = {"tokens": result.tokens, "text": result.text, "drafter": result.stats.drafter,
                                        "tree_steps": result.stats.tree_steps, "drafted": result.stats.drafted,
                                        "accepted": result.stats.accepted, "sharded": group is not None}
+                if case["drafter"] == "mtp":  # the bytes of the head this rank holds (all of it, or its part)
+                    results[case["id"]]["head_nbytes"] = spec.mtp_head()[0].nbytes
             except MlxspecError as err:
                 results[case["id"]] = {"error": f"{type(err).__name__}: {err}"}
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
     name = "single" if rank is None else f"rank{rank}"
     (out / f"{name}.json").write_text(json.dumps(results))
     return results

@@ -155,3 +155,22 @@ def test_shard_leaves_its_group_on_the_layers_that_reduce_and_gather_makes_logit
     logits = compat.gather_last_axis(lm.lm_head(mx.ones((1, 3, 64))), group)
     assert logits.shape == (1, 3, 64)
     assert mx.allclose(model(tokens), whole, atol=1e-5)
+
+
+def test_shard_qwen3_5_layers_splits_an_mtp_heads_layer_as_the_trunks():
+    """The MTP head's decoder layer goes through qwen3_5.Model.shard on a stand-in: its
+    projections become mlx-lm's sharded linears (a group of one: the same outputs)."""
+    from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
+
+    from mlxspec.models.mtp.head import QwenMTPHead
+
+    mx.random.seed(1)
+    head = QwenMTPHead(qwen3_5.TextModelArgs.from_dict(HYBRID), 1)
+    mx.eval(head.parameters())
+    x, h = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    whole = head(x, h, head.make_cache())
+    compat.shard_qwen3_5_layers(head.layers, mx.distributed.init())
+    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
+    assert isinstance(attn.q_proj, AllToShardedLinear) and isinstance(attn.o_proj, ShardedToAllLinear)
+    assert isinstance(mlp.down_proj, ShardedToAllLinear)
+    assert mx.allclose(head(x, h, head.make_cache()), whole, atol=1e-5)

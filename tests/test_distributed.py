@@ -118,7 +118,8 @@ HYBRID = [_case("none", "none"), _case("pld", "pld"), _case("mtp", "mtp"), _case
 ATTENTION = [_case("attn-dflash", "dflash"), _case("attn-dflash-chain", "dflash", tree=0),
              _case("attn-seeded-dflash", "dflash", 0.8, 3)]
 # a random-weight Qwen3.5 checkpoint (tests/tiny.py) with what the mini models lack: an untied
-# lm_head, which mlx-lm splits over the vocabulary (the MTP head reads it through the trunk)
+# lm_head, which mlx-lm splits over the vocabulary (the MTP head reads it through the trunk);
+# its MTP head split like the target (MLXSPEC_MTP_HEAD=split; mini-hybrid's stays whole)
 UNTIED = [_case("untied-mtp", "mtp"), _case("untied-seeded-mtp", "mtp", 0.8, 2)]
 # a random-weight Qwen3-Next: mlx-lm gives its family no shard(), so sharded_load splits it by
 # layers (pipeline parallel: rank 0 the last two layers, rank 1 the first two, hidden states
@@ -128,7 +129,8 @@ PIPELINE = [_case("pipeline-pld", "pld", prompt=REPEATS, max_tokens=40),
             _case("pipeline-seeded-pld", "pld", 0.8, 5, prompt=REPEATS, max_tokens=40)]
 JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draft"), "cases": HYBRID},
         {"target": str(MODELS / "mini-attn"), "draft": str(MODELS / "mini-attn-DFlash"), "cases": ATTENTION},
-        {"target": "tiny_qwen3_5", "cases": UNTIED}, {"target": "tiny_qwen3_next", "cases": PIPELINE}]
+        {"target": "tiny_qwen3_5", "cases": UNTIED, "env": {"MLXSPEC_MTP_HEAD": "split"}},
+        {"target": "tiny_qwen3_next", "cases": PIPELINE}]
 
 
 def _qwen3_next_checkpoint(out: Path) -> Path:
@@ -210,6 +212,16 @@ def test_seeded_sampling_is_the_single_process_output_where_no_decision_reads_si
     assert rank0["pipeline-pld"]["drafted"] > rank0["pipeline-pld"]["accepted"]  # a pipeline stage rolled back
     # for the untied tiny model the MTP head's gates happen to decide alike too
     assert rank0["untied-seeded-mtp"]["tokens"] == single["untied-seeded-mtp"]["tokens"]
+
+
+def test_mtp_head_is_split_like_the_target_when_asked(runs):
+    """MLXSPEC_MTP_HEAD=split (the untied job): each rank holds part of the head (its layer's
+    heads and MLP columns; fc and the norms whole) and the output stays the single process's;
+    mini-hybrid's head, at the default, is whole on every rank."""
+    rank0, rank1, single = runs
+    whole = single["untied-mtp"]["head_nbytes"]
+    assert rank0["untied-mtp"]["head_nbytes"] == rank1["untied-mtp"]["head_nbytes"] < 0.8 * whole
+    assert rank0["mtp"]["head_nbytes"] == single["mtp"]["head_nbytes"]
 
 
 def test_ranks_that_diverge_stop_with_an_error(runs):

@@ -37,6 +37,8 @@ from .real_shapes import Run, forward_ms
 WHERE_BASELINE = "in the bench's own process (every rank), mlxspec's tape classes set back before each run"
 WORKLOADS = ("echo", "mtp-like")
 ENGINES = {"echo": ("mlxspec-none", "mlxspec-pld"), "mtp-like": ("mlxspec-mtp",)}
+# over several ranks the MTP head also runs split like the target (models/mtp/head.shard_head)
+SPLIT_HEAD = "mlxspec-mtp-split-head"
 FORWARD_WIDTHS = (2, 3, 4, 5, 8)
 # what mlx.launch's backends leave in the environment: which one this run uses
 BACKEND_VARS = {"NCCL_HOST_IP": "nccl", "MLX_JACCL_COORDINATOR": "jaccl", "MLX_HOSTFILE": "ring",
@@ -47,12 +49,14 @@ def backend_name() -> str | None:
     return next((name for var, name in BACKEND_VARS.items() if os.environ.get(var)), None)
 
 
-def cells_of(workloads) -> list[Cell]:
+def cells_of(workloads, sharded: bool = False) -> list[Cell]:
+    """The cells of WORKLOADS; SHARDED (over several ranks): the MTP head split as well as whole."""
     out = []
     for w in workloads:
         if w not in ENGINES:
             raise UsageError(f"--sharded runs the workloads {', '.join(WORKLOADS)}; got '{w}'")
-        out += [Cell(w, BASELINE)] + [Cell(w, e) for e in ENGINES[w]]
+        split = (SPLIT_HEAD,) if sharded and w == "mtp-like" else ()
+        out += [Cell(w, BASELINE)] + [Cell(w, e) for e in ENGINES[w] + split]
     return out
 
 
@@ -89,6 +93,7 @@ class ShardedShapeBench:
     def __init__(self, shape: str, group, *, bits: int, prompt_tokens: int, max_tokens: int, workloads,
                  reps: int, seed: int = 0, on_step=None):
         from ..engine.cache import model_nbytes
+        from ..models.mtp.head import shard_head
         from .script import make_script
         from .scripted import ScriptedLogits
         from .synthetic import random_model, random_mtp_head, vocab_size
@@ -103,10 +108,15 @@ class ShardedShapeBench:
         if group is not None:
             shard(self.model, group)
         self.target_logits = ScriptedLogits(self.model, [0])
-        self.head = None
+        self.head = self.split_head = None
         if "mtp-like" in workloads:
             say(f"{shape}: building the MTP head (whole on every rank)")
             self.head = random_mtp_head(self.model, shape, bits=bits, kernels=False)
+            if group is not None:
+                say(f"{shape}: building the MTP head split over {ranks} ranks")
+                self.split_head = random_mtp_head(self.model, shape, bits=bits, kernels=False)
+                shard_head(self.split_head.module, group)
+                self.split_head.nbytes = model_nbytes(self.split_head.module)  # this rank's part
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)  # this rank's shard
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
@@ -148,6 +158,8 @@ class ShardedShapeBench:
             drafter = SteeredLookup(script) if script.steered else "pld"
         elif cell.engine == "mlxspec-mtp":  # its cost from its bytes against this rank's shard, as `run` does
             drafter = SteeredMTP(self.head, self.target_nbytes, script)
+        elif cell.engine == SPLIT_HEAD:
+            drafter = SteeredMTP(self.split_head, self.target_nbytes, script)
         else:
             drafter = "none"
         dec = SpeculativeDecoder(self.model, drafter=drafter, cost=None)
@@ -202,7 +214,7 @@ def run_sharded(shapes, group, *, bits: int = 4, prompt_tokens: int = 512, max_t
 
     if reps < 1 or prompt_tokens < 8 or max_tokens < 2:
         raise UsageError("--reps must be >= 1, --prompt-tokens >= 8 and --max-tokens >= 2")
-    cells = cells_of(workloads)
+    cells = cells_of(workloads, sharded=group is not None)
     say = on_step or (lambda *a: None)
     config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
               "reps": reps, "order": "ABAB", "workloads": list(workloads), "temperature": 0.0, "seed": seed,

@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...errors import InvalidCheckpointError
+from ...errors import InvalidCheckpointError, UsageError
 from ..trunk import split_trunk
-from .head import MTPHead, QwenMTPHead, text_args, to_switch_mlp
+from .head import MTPHead, QwenMTPHead, shard_head, text_args, to_switch_mlp
 from .weights import MTPWeights, find_mtp_weights
 
-__all__ = ["MTPHead", "MTPWeights", "find_mtp_weights", "load_mtp_head"]
+__all__ = ["MTPHead", "MTPWeights", "find_mtp_weights", "load_mtp_head", "head_layout"]
+
+# a Qwen head on a target sharded by mlx.launch: whole on every rank, or split like the target
+LAYOUT_ENV = "MLXSPEC_MTP_HEAD"
+LAYOUTS = ("whole", "split")
+DEFAULT_LAYOUT = "whole"
 
 
-def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
-    """The checkpoint's MTP head bound to ``model``'s trunk, or None when it ships none."""
+def head_layout() -> str:
+    """``whole`` or ``split``, from $MLXSPEC_MTP_HEAD (UsageError for anything else)."""
+    raw = os.environ.get(LAYOUT_ENV, "").strip() or DEFAULT_LAYOUT
+    if raw not in LAYOUTS:
+        raise UsageError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)} (got {raw!r})")
+    return raw
+
+
+def load_mtp_head(model: nn.Module, path: Path, config: dict, group=None) -> MTPHead | None:
+    """The checkpoint's MTP head bound to ``model``'s trunk, or None when it ships none. GROUP:
+    the target is sharded over it; a Qwen head is then split too when :func:`head_layout` says
+    ``split`` (a DeepSeek/GLM nextn head stays whole)."""
     weights = find_mtp_weights(Path(path), config)
     if weights is None:
         return None
@@ -49,4 +65,9 @@ def load_mtp_head(model: nn.Module, path: Path, config: dict) -> MTPHead | None:
     module.eval()
     mx.eval(module.parameters())
     nbytes = sum(v.nbytes for v in weights.tensors.values())
+    if group is not None and group.size() > 1 and head_layout() == "split":
+        from mlx.utils import tree_flatten
+
+        shard_head(module, group)
+        nbytes = sum(v.nbytes for _, v in tree_flatten(module.parameters()))  # this rank's part
     return MTPHead(module, split_trunk(model), nbytes, weights.source)

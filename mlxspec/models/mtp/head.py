@@ -54,6 +54,18 @@ class QwenMTPHead(nn.Module):
         return self.norm(x)
 
 
+def shard_head(module: QwenMTPHead, group) -> None:
+    """MODULE's decoder layers split over GROUP as mlx-lm's ``shard()`` splits the trunk's
+    full-attention layers (heads and MLP columns; the MoE's experts' columns): each draft step
+    then all-sums twice over the group and reads 1/N of the layer's weights. ``fc`` and the norms
+    stay whole (the hidden state is whole on every rank)."""
+    from ...compat import shard_qwen3_5_layers
+
+    shard_qwen3_5_layers(module.layers, group)
+    mx.eval(module.parameters())
+    mx.clear_cache()
+
+
 class MTPHead:
     """A loaded head bound to its trunk: what the MTP drafter drives."""
 
