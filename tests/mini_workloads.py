@@ -17,8 +17,11 @@ def workload_prompts(workload: str, tokenizer, n: int) -> list[list[int]]:
 
 
 def run_decoder(model, prompt: list[int], n: int, **kw):
-    """(tokens, stats) of N tokens from a gates-off SpeculativeDecoder built with KW."""
+    """(tokens, stats) of N tokens from a gates-off SpeculativeDecoder built with KW (its
+    ``prefix_cache``, if any, goes to generate)."""
     out, stats = [], None
-    for toks, stats in SpeculativeDecoder(model, gates=False, **kw).generate(prompt, max_tokens=n):
+    reuse = kw.pop("prefix_cache", None)
+    for toks, stats in SpeculativeDecoder(model, gates=False, **kw).generate(prompt, max_tokens=n,
+                                                                              prefix_cache=reuse):
         out.extend(toks)
     return out, stats

@@ -76,9 +76,10 @@ def test_prompt_lookup_is_exact(models, reference, arch):
         prompt = tok.encode(text)
         ref = reference(arch, text)
         for depth in range(1, 9):
-            got, _ = speculate(model, prompt, drafter="pld", depth=depth)
-            assert got == ref, f"{arch} depth {depth} prompt {text[:20]!r}"
-            # matching single tokens makes lookup fire at nearly every step
+            if depth in (1, 8):  # the default lookup seldom fires on these random models: its ends
+                got, _ = speculate(model, prompt, drafter="pld", depth=depth)
+                assert got == ref, f"{arch} depth {depth} prompt {text[:20]!r}"
+            # matching single tokens makes lookup fire at nearly every step: every depth
             eager = PromptLookupDrafter(max_ngram=2, min_ngram=1)
             got, stats = speculate(model, prompt, drafter=eager, depth=depth)
             assert got == ref, f"{arch} depth {depth} (eager lookup) prompt {text[:20]!r}"

@@ -95,10 +95,13 @@ def test_every_drafter_is_exact_at_temperature_zero(smollm2, smollm2_with_draft,
     plain = smollm2.generate(prompt, temperature=0, seed=0, max_tokens=16, drafter="none").tokens
     # prompt lookup's run is the acceptance test's (24 tokens: its first 16 are plain decoding's)
     pld = pld_runs[1]
-    draft = smollm2_with_draft.generate(prompt, temperature=0, seed=0, max_tokens=16, drafter="draft",
+    assert pld.tokens[:16] == plain and pld.stats.drafted > pld.stats.accepted > 0  # drafts kept and rejected
+    # the draft model on a short question (it prefills the prompt itself: ~0.16 s a token here)
+    question = "What is the capital of France?"
+    plain = smollm2.generate(question, temperature=0, seed=0, max_tokens=16, drafter="none").tokens
+    draft = smollm2_with_draft.generate(question, temperature=0, seed=0, max_tokens=16, drafter="draft",
                                         gates=False)
     assert draft.stats.cached_tokens > 0  # the target's prompt came from the plain run's cache
-    assert pld.tokens[:16] == plain and pld.stats.drafted > pld.stats.accepted > 0  # drafts kept and rejected
     assert draft.tokens == plain and draft.stats.drafted > 0
 
 

@@ -22,6 +22,7 @@ import tiny_dflash
 from mini_workloads import run_decoder, workload_prompts
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.dflash import DFlashDrafter
+from mlxspec.engine.prefix_cache import PrefixCache
 from mlxspec.models import dflash
 from mlxspec.models.loader import load_model
 
@@ -116,10 +117,12 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
     for workload, configs in (("echo", ((3, 0), (7, "default"))), ("toolcall", ((7, 0),))):
         prompt = workload_prompts(workload, target.tokenizer, 1)[0]
         expected = [t for (t, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=32), range(32))]
-        for depth, tree in configs:  # chains, and the engine's default (trees where they pay)
+        reuse = PrefixCache(1 << 30)  # a second config restores the first one's prompt
+        for i, (depth, tree) in enumerate(configs):  # chains, and the engine's default (trees where they pay)
             out, stats = run_decoder(model, prompt, 32, draft_model=drafter.model, drafter="dflash", depth=depth,
-                                     tree=tree)
+                                     tree=tree, prefix_cache=reuse)
             assert out == expected, (workload, depth, tree)
+            assert (stats.cached_tokens > len(prompt) // 2) == (i > 0), (i, stats.cached_tokens, len(prompt))
             assert stats.drafted > 0 and stats.drafter == "dflash"
 
 

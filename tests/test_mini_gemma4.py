@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 from mini_workloads import run_decoder, workload_prompts
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters.assistant import AssistantDrafter
+from mlxspec.engine.prefix_cache import PrefixCache
 from mlxspec.models.gemma4_assistant import load_assistant
 from mlxspec.models.loader import load_model
 
@@ -112,9 +113,11 @@ def test_temperature_zero_is_plain_decoding_on_real_text(pair):
         prompt = workload_prompts(workload, loaded.tokenizer, 1)[0]
         steps = generate_step(mx.array(prompt), model, max_tokens=T0_TOKENS)
         expected = [t for (t, _), _ in zip(steps, range(T0_TOKENS))]
+        reuse = PrefixCache(1 << 30)  # the first run prefills, the next two restore its prompt
         for i, kw in enumerate(configs):
-            out, stats = run_decoder(model, prompt, T0_TOKENS, **kw)
+            out, stats = run_decoder(model, prompt, T0_TOKENS, prefix_cache=reuse, **kw)
             assert out == expected, (workload, kw["drafter"], kw["depth"])
+            assert (stats.cached_tokens > len(prompt) // 2) == (i > 0), (i, stats.cached_tokens, len(prompt))
             assert stats.drafted > 0
             drafted[i] += stats.drafted
             accepted[i] += stats.accepted

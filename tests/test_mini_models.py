@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
+from mlxspec.engine.prefix_cache import PrefixCache
 from mlxspec.engine.speculate import SpeculativeDecoder
 from mlxspec.models.loader import load_model
 from mlxspec.models.mtp import load_mtp_head
@@ -91,7 +92,8 @@ def _greedy(model, prompt, n):
 
 def _run(model, prompt, n, **kw):
     out, stats = [], None
-    for toks, stats in SpeculativeDecoder(model, **kw).generate(prompt, max_tokens=n):
+    reuse = kw.pop("prefix_cache", None)
+    for toks, stats in SpeculativeDecoder(model, **kw).generate(prompt, max_tokens=n, prefix_cache=reuse):
         out.extend(toks)
     return out, stats
 
@@ -136,9 +138,13 @@ def test_temperature_zero_is_plain_decoding_on_real_text(family, name):
     for workload in ("echo", "completion", "toolcall"):
         prompt = _prompts(workload, models[name].tokenizer, 1)[0]
         expected = _greedy(model, prompt, T0_TOKENS)
+        # the first run prefills the target, the next two restore its prompt from the prefix
+        # cache (as a server's next request on that prompt does): the prefills were most of the time
+        reuse = PrefixCache(1 << 30)
         for i, kw in enumerate(configs):
-            out, stats = _run(model, prompt, T0_TOKENS, gates=False, **kw)
+            out, stats = _run(model, prompt, T0_TOKENS, gates=False, prefix_cache=reuse, **kw)
             assert out == expected, (workload, kw["drafter"])
+            assert (stats.cached_tokens > len(prompt) // 2) == (i > 0), (i, stats.cached_tokens, len(prompt))
             assert stats.drafted > 0
             drafted[i] += stats.drafted
             accepted[i] += stats.accepted
