@@ -471,6 +471,17 @@ def test_run_under_launch_wants_the_prompt_as_an_argument(monkeypatch):
     assert "under mlx.launch give the prompt as PROMPT or -p/--prompt" in result.output
 
 
+def test_a_bad_mtp_head_layout_is_refused_before_the_load(monkeypatch):
+    import mlxspec.api as api
+    from mlxspec.errors import UsageError
+
+    monkeypatch.setattr(api, "world", lambda: object())  # as under mlx.launch
+    monkeypatch.setattr(api, "load_model", lambda *a: pytest.fail("loaded before the check"))
+    monkeypatch.setenv("MLXSPEC_MTP_HEAD", "halves")
+    with pytest.raises(UsageError, match=r"MLXSPEC_MTP_HEAD must be one of whole, split \(got 'halves'\)"):
+        api.load(str(MODELS / "mini-hybrid"))
+
+
 @pytest.mark.parametrize("command", ["bench", "tune", "profile"])
 def test_commands_that_cannot_shard_refuse_under_launch(monkeypatch, capsys, command):
     from mlxspec import cli
