@@ -6,6 +6,20 @@ import tiny
 
 SHARED_VOCAB = 512
 
+# The longest files (their summed durations in two suite runs on the 2-core machine, 50 to 110 s
+# each), first. Under `--dist loadfile` a worker takes the next file when it is done, so the long
+# ones first leave the short ones to even out the end (in collection order a long file came
+# last and one worker waited for the other).
+LONGEST_FIRST = ("test_gguf_real.py", "test_distributed.py", "test_batch.py", "test_exactness.py",
+                 "test_bench_real.py", "test_mini_models.py", "test_distribution_heads.py", "test_server_fuzz.py",
+                 "test_prefix_cache.py", "test_server.py", "test_tree.py", "test_mini_gemma4.py",
+                 "test_penalties.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(autouse=True)
 def _tune_records_apart(tmp_path_factory, monkeypatch):
