@@ -476,12 +476,7 @@ def _request(request: GenerationRequest | None, options: dict) -> GenerationRequ
 def load(model=None, draft_model=None, *, prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> SpecModel:
     """Load MODEL (path / cached repo id / None for the default or demo) and an optional draft;
     earlier prompts' caches are kept up to PROMPT_CACHE_BYTES (``SpecModel.prompt_cache``)."""
-    group = world()  # the mlx.launch group, None for one process
-    if group is not None:  # a bad $MLXSPEC_MTP_HEAD: refused now, not at the first MTP draft
-        from .models.mtp import head_layout
-
-        head_layout()
-    target = load_model(model, group)
+    target = load_model(model, world())  # world(): the mlx.launch group, None for one process
     if target.tokenizer is None:  # a drafter-only checkpoint (DFlash, Gemma-4 assistant)
         raise UsageError(f"{target.name} is a drafter, not a model: use it as draft_model for its target")
     draft = None

@@ -472,14 +472,13 @@ def test_run_under_launch_wants_the_prompt_as_an_argument(monkeypatch):
 
 
 def test_a_bad_mtp_head_layout_is_refused_before_the_load(monkeypatch):
-    import mlxspec.api as api
     from mlxspec.errors import UsageError
+    from mlxspec.models import loader
 
-    monkeypatch.setattr(api, "world", lambda: object())  # as under mlx.launch
-    monkeypatch.setattr(api, "load_model", lambda *a: pytest.fail("loaded before the check"))
+    monkeypatch.setattr(loader, "resolve_model", lambda *a: pytest.fail("looked for the model before the check"))
     monkeypatch.setenv("MLXSPEC_MTP_HEAD", "halves")
     with pytest.raises(UsageError, match=r"MLXSPEC_MTP_HEAD must be one of whole, split \(got 'halves'\)"):
-        api.load(str(MODELS / "mini-hybrid"))
+        loader.load_model(str(MODELS / "mini-hybrid"), group=object())  # a group: as under mlx.launch
 
 
 @pytest.mark.parametrize("command", ["bench", "tune", "profile"])

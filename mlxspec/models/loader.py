@@ -241,6 +241,10 @@ def check_checkpoint(path: Path, name: str) -> dict:
 def load_model(ref: str | None, group: Any = None) -> LoadedModel:
     """Resolve, check and load a model with its tokenizer; with GROUP (an ``mx.distributed``
     group), this process's shard of it (models/sharding.py)."""
+    if group is not None:  # a bad $MLXSPEC_MTP_HEAD: refused before the load, not at the first MTP draft
+        from .mtp import head_layout
+
+        head_layout()
     path, name, is_demo = resolve_model(ref)
     from .gemma4_pairs import is_assistant_folder
 
