@@ -11,6 +11,13 @@ collectives meet. A stream rank 0 stops early (a client gone, a stop string, shu
 the followers at the same step (``checked``). When rank 0's server stops it sends an empty job:
 the followers return and their processes exit 0.
 
+While rank 0 has no job its worker meets the followers every ``IDLE_TICK_S`` with ``IDLE``,
+and they sleep between these meetings: a follower waiting inside a collective for the next
+request kept a core busy (the ring backend polls: 60-70 % of a core, and as much again on a
+second thread, on the 2-core machine), for as long as the server stayed idle. A request waits
+at most one tick for its followers; a follower now notices a rank 0 that died or hangs while
+idle too (the lost-peer line, or the watchdog's).
+
 Before each job the ranks compare their prefix caches (entries, bytes, budget): caches that
 differ (shards of different sizes evict differently) would prefill different lengths and
 hang a collective, so they are emptied on every rank.
@@ -22,6 +29,7 @@ import dataclasses
 import os
 import pickle
 import sys
+import time
 from typing import Iterator
 
 from ..engine.ranks import gathered, share
@@ -30,6 +38,8 @@ from ..errors import MlxspecError
 from ..models.sharding import PeerLost
 
 STOP = b""  # the job that ends the followers
+IDLE = b"idle"  # no job this tick (a job is a pickle: it starts with b"\x80")
+IDLE_TICK_S = 0.05  # between the idle meetings: at most this long before a request starts
 
 
 def job_bytes(prompt: list[int], request) -> bytes:
@@ -64,6 +74,16 @@ class Leader:
         except PeerLost as err:
             gone(err)
 
+    idle_tick_s = IDLE_TICK_S
+
+    def idle(self) -> None:
+        """No job this tick: meet the followers, who then sleep a tick (not poll in a collective)."""
+        try:
+            with watching():
+                share(IDLE, self.group)
+        except PeerLost as err:
+            gone(err)
+
     def finish(self) -> None:
         """Tell the followers to stop (the server is done)."""
         try:
@@ -81,12 +101,17 @@ def gone(err: PeerLost) -> None:
 
 
 def follow(spec, group) -> None:
-    """A follower's loop: each job rank 0 sends, run as rank 0 runs it, until the stop job.
-    Waiting for a job is not watched (a server may idle for days); running one is."""
+    """A follower's loop: each job rank 0 sends, run as rank 0 runs it, until the stop job;
+    between rank 0's idle meetings it sleeps. Every meeting is watched: rank 0 meets it at least
+    every tick."""
     while True:
-        data = share(None, group)
+        with watching():
+            data = share(None, group)
         if data == STOP:
             return
+        if data == IDLE:
+            time.sleep(IDLE_TICK_S)
+            continue
         prompt, request = pickle.loads(data)
         with watching():
             same_caches(spec, group)

@@ -165,14 +165,21 @@ class Worker:
     def _run(self) -> None:
         if self.max_batch > 1:
             self._run_batched()
+        # a sharded target's leader meets its followers each tick while nothing waits (server/sharded.py)
+        idle = getattr(self.spec, "idle", None)
         while True:
             with self._ready:
-                while not self._waiting and not self._closed:
-                    self._ready.wait()
-                if not self._waiting:
+                if not self._waiting and not self._closed:
+                    self._ready.wait(None if idle is None else self.spec.idle_tick_s)
+                if self._closed and not self._waiting:
                     break
-                job = self._waiting.popleft()
-                self._running.append(job)
+                job = self._waiting.popleft() if self._waiting else None
+                if job is not None:
+                    self._running.append(job)
+            if job is None:  # a tick with nothing to do (or a spurious wake-up)
+                if idle is not None:
+                    idle()
+                continue
             self._run_alone(job)
         finish = getattr(self.spec, "finish", None)
         if finish is not None:
