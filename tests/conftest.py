@@ -6,14 +6,14 @@ import tiny
 
 SHARED_VOCAB = 512
 
-# The longest files (their summed durations in two suite runs on the 2-core machine, 50 to 110 s
-# each), first. Under `--dist loadfile` a worker takes the next file when it is done, so the long
+# The longest files first (their summed durations in a suite run on the 2-core machine, 23 to
+# 81 s each). Under `--dist loadfile` a worker takes the next file when it is done, so the long
 # ones first leave the short ones to even out the end (in collection order a long file came
 # last and one worker waited for the other).
-LONGEST_FIRST = ("test_gguf_real.py", "test_distributed.py", "test_batch.py", "test_exactness.py",
-                 "test_bench_real.py", "test_mini_models.py", "test_distribution_heads.py", "test_server_fuzz.py",
-                 "test_prefix_cache.py", "test_server.py", "test_tree.py", "test_mini_gemma4.py",
-                 "test_penalties.py")
+LONGEST_FIRST = ("test_gguf_real.py", "test_batch.py", "test_bench_real.py", "test_exactness.py",
+                 "test_distributed.py", "test_mini_models.py", "test_prefix_cache.py", "test_server_fuzz.py",
+                 "test_distribution_heads.py", "test_server.py", "test_tree.py", "test_mini_gemma4.py",
+                 "test_penalties.py", "test_surfaces_exact.py")
 
 
 def pytest_collection_modifyitems(items):
