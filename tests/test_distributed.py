@@ -6,7 +6,8 @@ drafter), mini-draft (a draft model). Both shard with mlx-lm's own ``shard()`` a
 
 - Temperature 0: every drafter's tokens are the single process's, on every rank.
   Also a random-weight Qwen3.5 checkpoint with an untied (vocabulary-split) lm_head, and a
-  Qwen3-Next one, a family mlx-lm splits by layers (pipeline parallel), with prompt lookup.
+  Qwen3-Next one, a family mlx-lm splits by layers (pipeline parallel), with prompt lookup
+  and its MTP head.
 - Seeded temperature > 0: every rank commits the same tokens; they are the single process's
   where no decision reads the target's size (plain decoding, prompt lookup). The other drafters
   weigh a draft against the target's bytes, and a rank holds half of them: their gates (and
@@ -150,7 +151,9 @@ UNTIED = [_case("untied-mtp", "mtp"), _case("untied-seeded-mtp", "mtp", 0.8, 2)]
 # sent between them); a repeating prompt, so prompt lookup drafts and is rejected
 REPEATS = "abcabcabcabcabcabc"
 PIPELINE = [_case("pipeline-pld", "pld", prompt=REPEATS, max_tokens=40),
-            _case("pipeline-seeded-pld", "pld", 0.8, 5, prompt=REPEATS, max_tokens=40)]
+            _case("pipeline-seeded-pld", "pld", 0.8, 5, prompt=REPEATS, max_tokens=40),
+            # the MTP head reads the last hidden state, which the pipeline gathers to every rank
+            _case("pipeline-mtp", "mtp", prompt=REPEATS, max_tokens=20)]
 JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draft"), "cases": HYBRID},
         {"target": str(MODELS / "mini-attn"), "draft": str(MODELS / "mini-attn-DFlash"), "cases": ATTENTION},
         {"target": "tiny_qwen3_5", "cases": UNTIED, "env": {"MLXSPEC_MTP_HEAD": "split"}},
@@ -159,10 +162,14 @@ JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draf
 
 def _qwen3_next_checkpoint(out: Path) -> Path:
     """A tiny Qwen3-Next checkpoint as mlx-lm saves one (with the model.safetensors.index.json
-    sharded_load reads to split it by layers), a character tokenizer of 38 tokens."""
+    sharded_load reads to split it by layers), a character tokenizer of 38 tokens, and a random
+    MTP head beside it (``mtp.safetensors``: its ``mtp.*`` tensors, an MoE block like the trunk's)."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3_next
     from mlx_lm.utils import save_config, save_model
+
+    from mlxspec.models.mtp.head import QwenMTPHead
 
     out.mkdir(parents=True)
     tiny.write_minimal_tokenizer(out, 38)
@@ -174,13 +181,16 @@ def _qwen3_next_checkpoint(out: Path) -> Path:
                   shared_expert_intermediate_size=64, mlp_only_layers=[], moe_intermediate_size=32,
                   rms_norm_eps=1e-6, vocab_size=38, rope_theta=10000.0, partial_rotary_factor=0.25,
                   max_position_embeddings=4096, full_attention_interval=2, tie_word_embeddings=False,
-                  eos_token_id=[special[tiny.EOS_TOKEN]])
+                  eos_token_id=[special[tiny.EOS_TOKEN]], num_nextn_predict_layers=1)
     assert not hasattr(qwen3_next.Model, "shard")  # what makes this the pipeline-parallel case
     mx.random.seed(0)
     model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
+    head = QwenMTPHead(model.args, 1)
+    mx.eval(head.parameters())
+    mx.save_safetensors(str(out / "mtp.safetensors"), {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())})
     return out
 
 
@@ -227,6 +237,7 @@ def test_temperature_zero_is_the_single_process_output(runs):
     assert rank0["attn-dflash"]["tree_steps"] > 0  # trees verified on the sharded target, not only chains
     # drafts were rejected: each rank rolled its shard of the GatedDeltaNet state back (tape replay)
     assert rank0["mtp"]["drafted"] > rank0["mtp"]["accepted"] > 0
+    assert rank0["pipeline-mtp"]["drafted"] > rank0["pipeline-mtp"]["accepted"]  # the head on a pipeline, rejected
 
 
 def test_seeded_sampling_is_the_single_process_output_where_no_decision_reads_sizes(runs):
