@@ -143,3 +143,14 @@ def shard_qwen3_5_layers(layers: list, group) -> None:
 
     tied = SimpleNamespace(args=SimpleNamespace(tie_word_embeddings=True))
     Model.shard(SimpleNamespace(layers=layers, language_model=tied), group)
+
+
+def pipeline_size(model) -> int:
+    """How many processes mlx-lm's ``pipeline()`` split MODEL's layers over (``pipeline_size``
+    of its inner model, a ``PipelineMixin``; a qwen3_5 model's sits under ``language_model``),
+    1 when it did not."""
+    for inner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+        size = getattr(inner, "pipeline_size", None)
+        if isinstance(size, int):
+            return size
+    return 1

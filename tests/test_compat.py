@@ -174,3 +174,15 @@ def test_shard_qwen3_5_layers_splits_an_mtp_heads_layer_as_the_trunks():
     assert isinstance(attn.q_proj, AllToShardedLinear) and isinstance(attn.o_proj, ShardedToAllLinear)
     assert isinstance(mlp.down_proj, ShardedToAllLinear)
     assert mx.allclose(head(x, h, head.make_cache()), whole, atol=1e-5)
+
+
+def test_pipeline_size_is_what_pipeline_left_on_the_inner_model():
+    """1 for a whole model; mlx-lm's PipelineMixin keeps the split's size on the inner model
+    (a group of one here: still 1; set by hand to what a split over 2 processes leaves)."""
+    for model in (_qwen3_5(), _qwen3()):
+        assert compat.pipeline_size(model) == 1
+    model = _qwen3_5()
+    model.language_model.model.pipeline(mx.distributed.init())
+    assert compat.pipeline_size(model) == 1
+    model.language_model.model.pipeline_size = 2
+    assert compat.pipeline_size(model) == 2

@@ -87,6 +87,16 @@ def test_a_drafter_for_another_target_is_refused(pairs):
         make_drafter("dflash", target.model, None)
 
 
+def test_a_target_split_by_layers_is_refused(pairs, monkeypatch):
+    """Over a pipeline each rank holds some of the layers: the capture's indices would name
+    others (the stage's list is shorter), so DFlash is refused at once, in words."""
+    target, draft, _ = pairs["qwen3_5"]
+    monkeypatch.setattr(target.model.language_model.model, "pipeline_size", 2)  # what pipeline() leaves
+    prompt = target.tokenizer.encode(PROMPT_TEXT)
+    with pytest.raises(DrafterError, match=r"split by layers over 2 processes \(pipeline parallel\).*--drafter pld"):
+        _speculate(target.model, draft.model, prompt, depth=3)
+
+
 def test_a_quantized_drafter_loads_and_drafts(pairs, tmp_path):
     target, draft, path = pairs["qwen3"]
     model = draft.model

@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compat import swap_class
+from ..compat import pipeline_size, swap_class
 from ..errors import DrafterError
 
 _CAPTURING: dict[type, type] = {}
@@ -48,6 +48,11 @@ class LayerCapture:
     """Outputs of layers ``ids`` of MODEL, per forward, concatenated along features."""
 
     def __init__(self, model: nn.Module, ids: tuple[int, ...] | list[int]):
+        stages = pipeline_size(model)
+        if stages > 1:  # model.layers is this stage's only: an index would name another layer
+            raise DrafterError(f"the drafter reads the target's layer outputs, and this target is split by layers "
+                               f"over {stages} processes (pipeline parallel), each holding some of them: use "
+                               "--drafter pld, mtp or draft")
         layers = decoder_layers(model)
         bad = [i for i in ids if not 0 <= i < len(layers)]
         if bad:
