@@ -285,11 +285,9 @@ def _end_sharded_process() -> None:
     MLX's C++ state (the ring backend's threads) is destroyed while a Python thread may still
     collect garbage, which aborted rank 0 in 2 exits of 32 ("terminate called without an active
     exception", SIGABRT; none in 60 since), and mlx.launch reports such a rank as failed."""
-    import sys
+    from ..engine.watchdog import exit_now
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now(0)
 
 
 def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:

@@ -7,8 +7,8 @@ MLX's C++ where no Python exception reaches them. So while a step of a sharded g
 in flight (the seed's exchange, each prefill chunk, each step and the per-step check,
 engine/ranks.py) a thread watches the clock: when no step has finished for
 ``MLXSPEC_PEER_TIMEOUT`` seconds (default 300) it prints one line and ends the process with
-code 1 (``os._exit``: the main thread is stuck in C++). A process waiting for work (a serve
-follower idle between requests) is not watched.
+code 1 (``os._exit``: the main thread is stuck in C++). A serve follower idle between requests
+is watched too: rank 0 meets it every tick (server/sharded.py).
 """
 
 from __future__ import annotations
@@ -41,11 +41,20 @@ def timeout_s() -> float:
     return value
 
 
-def _fire(seconds: float) -> None:
-    sys.stderr.write(f"error: no step of the sharded run finished in {seconds:g} s: another process is not "
-                     "answering (hung or unreachable); stopping\n")
+def exit_now(code: int, line: str | None = None) -> None:
+    """End this process with CODE at once: LINE (if any) on stderr, output flushed, and no
+    interpreter teardown (``os._exit``): a sharded run's main thread may be stuck in C++, and
+    in the teardown MLX's state was seen destroyed under a thread still collecting garbage."""
+    if line is not None:
+        sys.stderr.write(line + "\n")
+    sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
+
+
+def _fire(seconds: float) -> None:
+    exit_now(1, f"error: no step of the sharded run finished in {seconds:g} s: another process is not "
+                "answering (hung or unreachable); stopping")
 
 
 class Watchdog:

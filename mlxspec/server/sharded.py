@@ -26,14 +26,13 @@ hang a collective, so they are emptied on every rank.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
 import sys
 import time
 from typing import Iterator
 
 from ..engine.ranks import gathered, share
-from ..engine.watchdog import watching
+from ..engine.watchdog import exit_now, watching
 from ..errors import MlxspecError
 from ..models.sharding import PeerLost
 
@@ -95,9 +94,7 @@ class Leader:
 
 def gone(err: PeerLost) -> None:
     """A process of the run is gone: the sharded model cannot serve again. One line, exit 1."""
-    sys.stderr.write(f"error: {err}\n")
-    sys.stderr.flush()
-    os._exit(1)
+    exit_now(1, f"error: {err}")
 
 
 def follow(spec, group) -> None:
