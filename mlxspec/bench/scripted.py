@@ -11,7 +11,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compat import swap_class
+from ..compat import sharding_group, swap_class
 
 HOT = 30.0  # the scripted token's logit over 0 elsewhere: one-hot even at temperature 0.7
 
@@ -44,7 +44,7 @@ class ScriptedLogits:
         self.pending: tuple[int, int, list[int] | None, mx.array] | None = None
         lm = getattr(model, "language_model", model)
         # a head mlx-lm's shard() split over the vocabulary computes this rank's slice of it
-        group = getattr(lm, "sharding_group", None)
+        group = sharding_group(lm)
         self.rank = group.rank() if group is not None else 0
         body = lm.model
         base = type(body)
