@@ -144,7 +144,7 @@ ATTENTION = [_case("attn-dflash", "dflash"), _case("attn-dflash-chain", "dflash"
              _case("attn-seeded-dflash", "dflash", 0.8, 3)]
 # a random-weight Qwen3.5 checkpoint (tests/tiny.py) with what the mini models lack: an untied
 # lm_head, which mlx-lm splits over the vocabulary (the MTP head reads it through the trunk);
-# its MTP head split like the target (MLXSPEC_MTP_HEAD=split; mini-hybrid's stays whole)
+# its MTP head whole on every rank (MLXSPEC_MTP_HEAD=whole; mini-hybrid's is split, the default)
 UNTIED = [_case("untied-mtp", "mtp"), _case("untied-seeded-mtp", "mtp", 0.8, 2)]
 # a random-weight Qwen3-Next: mlx-lm gives its family no shard(), so sharded_load splits it by
 # layers (pipeline parallel: rank 0 the last two layers, rank 1 the first two, hidden states
@@ -156,7 +156,7 @@ PIPELINE = [_case("pipeline-pld", "pld", prompt=REPEATS, max_tokens=40),
             _case("pipeline-mtp", "mtp", prompt=REPEATS, max_tokens=20)]
 JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draft"), "cases": HYBRID},
         {"target": str(MODELS / "mini-attn"), "draft": str(MODELS / "mini-attn-DFlash"), "cases": ATTENTION},
-        {"target": "tiny_qwen3_5", "cases": UNTIED, "env": {"MLXSPEC_MTP_HEAD": "split"}},
+        {"target": "tiny_qwen3_5", "cases": UNTIED, "env": {"MLXSPEC_MTP_HEAD": "whole"}},
         {"target": "tiny_qwen3_next", "cases": PIPELINE}]
 
 
@@ -249,14 +249,16 @@ def test_seeded_sampling_is_the_single_process_output_where_no_decision_reads_si
     assert rank0["untied-seeded-mtp"]["tokens"] == single["untied-seeded-mtp"]["tokens"]
 
 
-def test_mtp_head_is_split_like_the_target_when_asked(runs):
-    """MLXSPEC_MTP_HEAD=split (the untied job): each rank holds part of the head (its layer's
-    heads and MLP columns; fc and the norms whole) and the output stays the single process's;
-    mini-hybrid's head, at the default, is whole on every rank."""
+def test_mtp_head_is_split_like_the_target_unless_asked_whole(runs):
+    """By default (mini-hybrid) each rank holds part of the head (its layer's heads and MLP
+    columns; fc and the norms whole) and the output stays the single process's;
+    MLXSPEC_MTP_HEAD=whole (the untied job) keeps the whole head on every rank, and so does a
+    pipeline-parallel target (its head split, the two ranks deadlocked)."""
     rank0, rank1, single = runs
-    whole = single["untied-mtp"]["head_nbytes"]
-    assert rank0["untied-mtp"]["head_nbytes"] == rank1["untied-mtp"]["head_nbytes"] < 0.8 * whole
-    assert rank0["mtp"]["head_nbytes"] == single["mtp"]["head_nbytes"]
+    whole = single["mtp"]["head_nbytes"]
+    assert rank0["mtp"]["head_nbytes"] == rank1["mtp"]["head_nbytes"] < 0.8 * whole
+    for case in ("untied-mtp", "pipeline-mtp"):
+        assert rank0[case]["head_nbytes"] == rank1[case]["head_nbytes"] == single[case]["head_nbytes"], case
 
 
 def test_ranks_that_diverge_stop_with_an_error(runs):
@@ -529,7 +531,7 @@ def test_a_bad_mtp_head_layout_is_refused_before_the_load(monkeypatch):
 
     monkeypatch.setattr(loader, "resolve_model", lambda *a: pytest.fail("looked for the model before the check"))
     monkeypatch.setenv("MLXSPEC_MTP_HEAD", "halves")
-    with pytest.raises(UsageError, match=r"MLXSPEC_MTP_HEAD must be one of whole, split \(got 'halves'\)"):
+    with pytest.raises(UsageError, match=r"MLXSPEC_MTP_HEAD must be one of split, whole \(got 'halves'\)"):
         loader.load_model(str(MODELS / "mini-hybrid"), group=object())  # a group: as under mlx.launch
 
 
