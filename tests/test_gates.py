@@ -151,6 +151,48 @@ def test_gate_hysteresis_and_events():
     assert gate.events[-1][0] is True
 
 
+def test_the_gate_weighs_a_verify_against_a_pipelined_plain_token():
+    """A plain token costs CostModel.plain waited forwards (pipelined: the next forward queued
+    while the host reads one). Drafts whose first token is always kept and second never pay
+    2 tokens for a verify of 1.2: 1.67x against a waited forward, 0.83x against a plain token
+    at half of one; that gate switches off. Planted bug, the factor ignored: it stays on."""
+    curve = {1: 1.0, 2: 1.2, 3: 1.4}
+    for plain, on in ((1.0, True), (0.5, False)):
+        gate = SpeculationGate(_FakeDrafter(), max_depth=2, cost=CostModel(curve=curve, plain=plain))
+        for _ in range(SpeculationGate.MIN_EVIDENCE + 4):
+            gate.observe(2, 1)
+        assert gate.speedup(1) == pytest.approx(1.67 * plain, rel=0.05)
+        gate.depth()
+        assert gate.on is on, plain
+
+
+def test_the_pipelined_plain_token_is_measured_and_stored(tmp_path, monkeypatch, tiny_qwen3):
+    """measure_verify_cost times plain decoding as mlx-lm's loop runs it and keeps it beside the
+    curve, in [0.25, 1] of a waited forward; the stored record carries it (an older record or
+    a bad value reads as 1)."""
+    import json
+
+    from mlxspec.api import load
+    from mlxspec.engine import costs
+    from mlxspec.tuning import storage
+
+    model = mlx_lm.load(str(tiny_qwen3))[0]
+    cost = costs.measure_verify_cost(model, widths=(1, 2), reps=2, context=16)
+    assert 0.25 <= cost.plain <= 1.0
+    monkeypatch.setattr(costs, "PLAIN_MAX_S", 0.0)  # a machine too slow for it: not measured
+    assert costs.measure_verify_cost(model, widths=(1, 2), reps=1, context=16, budget_s=5.0).plain == 1.0
+
+    monkeypatch.setenv(storage.DATA_ENV, str(tmp_path / "tune"))
+    spec = load(str(tiny_qwen3))
+    storage.save_cost(spec.target, CostModel(curve={1: 1.0, 2: 1.3}, measured=True, plain=0.7))
+    path = storage.result_path(spec.target)
+    record = json.loads(path.read_text())
+    assert record["plain_step"] == 0.7 and storage.stored_cost(spec.target).plain == 0.7
+    for bad in (3, 0, "x", True, None):
+        path.write_text(json.dumps({**record, "plain_step": bad}))
+        assert storage.stored_cost(spec.target).plain == 1.0, bad
+
+
 def test_expected_tokens():
     model = AcceptanceModel(3, prior=0.5, prior_weight=1e-9)
     for _ in range(100):

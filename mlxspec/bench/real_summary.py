@@ -61,6 +61,7 @@ def shape_info(bench, bits: int) -> dict:
             "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
             "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
             "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())},
+            "cost_plain_step": round(bench.cost.plain, 3),
             "tree_ms": {str(k): round(v, 3) for k, v in bench.tree_ms.items()},
             "tree_factor": bench.cost.tree_factor, "tree_error": bench.tree_error,
             "dflash": None if d is None else {"layers": d.args.num_hidden_layers, "block_size": d.block_size,

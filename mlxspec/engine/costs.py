@@ -124,6 +124,41 @@ def verify_times(
     return {n: t for n, t in times.items() if t}
 
 
+PLAIN_STEPS = 8  # pipelined plain tokens a timing run reads
+PLAIN_CONTEXT = 16  # tokens in the cache before it: host time is what pipelining hides
+PLAIN_MAX_S = 1.0  # within a budget, the measurement is skipped (factor 1) where it would take longer
+
+
+def plain_factor(model: nn.Module, one: float, vocab: int = 256, steps: int = PLAIN_STEPS,
+                 runs: int = 2) -> float:
+    """What a plain token costs in mlx-lm's pipelined loop (the next 1-token forward queued
+    before the current token is read) over ONE, a waited 1-token forward's seconds: the
+    fastest of RUNS timed runs of STEPS tokens, after an untimed one, within [0.25, 1]. The
+    gate weighs a verify against this, not against a waited forward: on an H200 (8B shape)
+    plain decoding ran 8.1 ms a token where a waited forward took 11.2 ms."""
+    state = ModelState(model)
+    state.prefill([(5 * i) % vocab for i in range(PLAIN_CONTEXT)])
+
+    def run() -> float:
+        pending = mx.argmax(state.forward(mx.array([1], mx.uint32), rollback=False)[-1:], axis=-1)
+        mx.async_eval(pending)
+        pending.item()  # the timed part starts with nothing queued
+        pending = mx.argmax(state.forward(pending.astype(mx.uint32), rollback=False)[-1:], axis=-1)
+        mx.async_eval(pending)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            nxt = mx.argmax(state.forward(pending.astype(mx.uint32), rollback=False)[-1:], axis=-1)
+            mx.async_eval(nxt)
+            pending.item()
+            pending = nxt
+        pending.item()
+        return (time.perf_counter() - t0) / (steps + 1)
+
+    run()
+    per_token = min(run() for _ in range(runs))
+    return min(1.0, max(0.25, per_token / one))
+
+
 def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
     """Seconds of each of ``reps`` calls of ``run`` (which must wait for its result), after
     ``warmup`` untimed calls; ``after()``, untimed, follows every call (e.g. a cache rollback)."""
@@ -150,7 +185,11 @@ def measure_verify_cost(
     reps swung widths by 30-50%.
 
     With ``budget_s`` (see :func:`verify_times`) the widths a slow machine could not afford
-    are extrapolated at the slope of the last two measured ones (the CPU pays about per row)."""
+    are extrapolated at the slope of the last two measured ones (the CPU pays about per row).
+
+    The pipelined plain token's cost (:func:`plain_factor`) is measured too: always without a
+    budget, within one where its (PLAIN_STEPS + 2) x 3 forwards fit in PLAIN_MAX_S (a slow
+    machine keeps 1)."""
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     samples = verify_times(model, widths, context, reps, vocab, warmup_each=on_gpu,
                            budget_s=budget_s, on_progress=on_progress)
@@ -158,6 +197,8 @@ def measure_verify_cost(
     base = times[1]
     curve = {n: t / base for n, t in times.items()}
     cost = CostModel(curve=curve, measured=True)
+    if budget_s is None or (PLAIN_STEPS + 2) * 3 * base <= PLAIN_MAX_S:
+        cost.plain = plain_factor(model, base, vocab)
     if set(curve) != {1, *widths}:  # cut short by the budget
         measured = sorted(curve)
         if len(measured) >= 2:

@@ -5,8 +5,9 @@ makes the same decisions (and so the same random draws) every time.
 
 Expected tokens per verify at depth k, with alpha_i the chance that draft position i is
 accepted given the ones before it were: E_k = 1 + sum_{j<=k} prod_{i<=j} alpha_i. A step costs
-verify(k+1) + k * draft_cost target-forward units, plain decoding 1 unit per token; speculation
-pays when E_k / cost_k > 1.
+verify(k+1) + k * draft_cost target-forward units (a unit: one waited 1-token forward), plain
+decoding ``plain`` units per token (below 1 where the next forward is queued while the host
+reads a token, as mlx-lm's loop and ours do); speculation pays when E_k * plain / cost_k > 1.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class CostModel:
     # measured within a time budget that left some widths out (costs.measure_verify_cost):
     # those follow ``slope``, itself measured; `mlxspec tune` measures every width
     partial: bool = False
+    # a pipelined plain token over a waited 1-token forward (costs.plain_factor), 1 where not
+    # measured: on an H200, 8B shape, plain decoding ran 8.1 ms a token where a waited forward
+    # took 11.2 ms, and a gate counting a plain token at 1 kept an MTP head whose ideal was 0.73x
+    plain: float = 1.0
 
     def verify(self, n: int) -> float:
         if n in self.curve:
@@ -101,8 +106,8 @@ def expected_speedup(acceptance: AcceptanceModel, k: int, cost: CostModel, draft
                      step_cost: float = 0.0) -> float:
     """Speed of drafting ``k`` tokens a step relative to plain decoding: E_k tokens per step
     over the step's cost, verify(k+1) + k * draft_cost + step_cost (a block drafter's one
-    forward), in target-forward units."""
-    return acceptance.expected_tokens(k) / (cost.verify(k + 1) + k * draft_cost + step_cost)
+    forward), in target-forward units, times what a plain token costs in them (``cost.plain``)."""
+    return acceptance.expected_tokens(k) * cost.plain / (cost.verify(k + 1) + k * draft_cost + step_cost)
 
 
 class SpeculationGate:

@@ -52,6 +52,11 @@ QUERY_TILE = WARPS * QUERIES_PER_WARP
 # Pass-1 blocks to aim for: about two per SM of a 132-SM GPU. Fewer chunks leave SMs idle
 # at short key lengths; more only add partial outputs for pass 2 to read.
 TARGET_BLOCKS = 264
+# Keys a pass-1 block reads at most: past it, long caches get more chunks (more blocks in
+# flight) rather than longer ones. At 264 blocks a 32K-key cache gave each block 1K keys read
+# tile by tile, and a 2-row verify of the 8B shape cost 2.0x one token (1-row: MLX's kernel).
+# None: no cap (the chunk count from TARGET_BLOCKS alone).
+MAX_CHUNK_KEYS: int | None = 256
 
 _HEADER = """
 template <typename T>
@@ -405,9 +410,12 @@ def mask_kind(mask, target: tuple) -> str | None:
 
 def chunks(S: int, blocks_per_chunk: int) -> int:
     """Key chunks for pass 1: enough blocks to fill the GPU, at least a tile of keys each, none
-    empty. The kernel recomputes the chunk length from this count (ceil(S / n) in whole
-    tiles), which gives the same split."""
-    n = max(1, min(-(-S // TILE), -(-TARGET_BLOCKS // blocks_per_chunk)))
+    empty, and at most MAX_CHUNK_KEYS keys each (in whole tiles). The kernel recomputes the
+    chunk length from this count (ceil(S / n) in whole tiles), which gives the same split."""
+    n = -(-TARGET_BLOCKS // blocks_per_chunk)
+    if MAX_CHUNK_KEYS:
+        n = max(n, -(-S // max(TILE, MAX_CHUNK_KEYS // TILE * TILE)))
+    n = max(1, min(-(-S // TILE), n))
     length = -(-(-(-S // n)) // TILE) * TILE
     return -(-S // length)
 

@@ -3,6 +3,8 @@
 What is stored, per (machine, model), as JSON under ``<user data dir>/mlxspec/tune/<machine>/<model>.json``:
 
 * ``verify_cost``: cost of a target forward over n = 1..16 tokens, relative to one token;
+* ``plain_step``: a pipelined plain token (the next forward queued while the host reads one)
+  in the same unit (1 where not measured; an older record without it reads as 1);
 * ``draft_cost``: cost of one draft step per drafter, in the same unit (prompt lookup: 0);
 * ``acceptance``: per drafter and prompt kind, how often each draft position (1..8) was reached
   and accepted when drafting at a fixed depth 8 with the gates off (greedy);

@@ -90,6 +90,8 @@ def save_cost(loaded, cost: CostModel) -> Path | None:
               "verify_cost": {str(n): round(c, 4) for n, c in sorted(cost.curve.items())}}
     if cost.partial:  # widths past the measured ones follow this measured slope
         record["verify_slope"] = round(cost.slope, 4)
+    if cost.plain != 1.0:  # a pipelined plain token, in the curve's units
+        record["plain_step"] = round(cost.plain, 4)
     try:
         return save_result(loaded, record)
     except OSError:
@@ -158,6 +160,9 @@ def stored_cost(loaded) -> CostModel | None:
     slope = (data or {}).get("verify_slope")
     if isinstance(slope, (int, float)) and not isinstance(slope, bool) and 0 <= slope < 100:
         cost.slope, cost.partial = float(slope), True
+    plain = (data or {}).get("plain_step")
+    if isinstance(plain, (int, float)) and not isinstance(plain, bool) and 0 < plain <= 1:
+        cost.plain = float(plain)
     return cost
 
 
