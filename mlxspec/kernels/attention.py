@@ -52,11 +52,12 @@ QUERY_TILE = WARPS * QUERIES_PER_WARP
 # Pass-1 blocks to aim for: about two per SM of a 132-SM GPU. Fewer chunks leave SMs idle
 # at short key lengths; more only add partial outputs for pass 2 to read.
 TARGET_BLOCKS = 264
-# Keys a pass-1 block reads at most: past it, long caches get more chunks (more blocks in
-# flight) rather than longer ones. At 264 blocks a 32K-key cache gave each block 1K keys read
-# tile by tile, and a 2-row verify of the 8B shape cost 2.0x one token (1-row: MLX's kernel).
-# None: no cap (the chunk count from TARGET_BLOCKS alone).
-MAX_CHUNK_KEYS: int | None = 256
+# Keys a pass-1 block reads at most (more chunks, so more blocks in flight, on long caches);
+# None: the chunk count from TARGET_BLOCKS alone. Measured on an H200 (8B heads, 32K keys,
+# benchmarks/diag_attention_chunks.py): caps of 1024 / 512 / 256 / 128 keys left a 2-row call
+# at 0.47-0.52 ms against 0.52 uncapped, and whole 2-token forwards at 2.06-2.20x one token
+# either way, so no cap is set; the knob stays for the diagnostic.
+MAX_CHUNK_KEYS: int | None = None
 
 _HEADER = """
 template <typename T>
