@@ -145,12 +145,34 @@ def shard_qwen3_5_layers(layers: list, group) -> None:
     Model.shard(SimpleNamespace(layers=layers, language_model=tied), group)
 
 
-def pipeline_size(model) -> int:
-    """How many processes mlx-lm's ``pipeline()`` split MODEL's layers over (``pipeline_size``
-    of its inner model, a ``PipelineMixin``; a qwen3_5 model's sits under ``language_model``),
-    1 when it did not."""
+def _pipelined_inner(model):
+    """MODEL's inner model when mlx-lm's ``pipeline()`` split it over several processes (a
+    ``PipelineMixin`` with ``pipeline_size`` > 1; a qwen3_5 model's sits under
+    ``language_model``), else None."""
     for inner in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
         size = getattr(inner, "pipeline_size", None)
         if isinstance(size, int):
-            return size
-    return 1
+            return inner if size > 1 else None
+    return None
+
+
+def pipeline_size(model) -> int:
+    """How many processes mlx-lm's ``pipeline()`` split MODEL's layers over, 1 when it did not."""
+    inner = _pipelined_inner(model)
+    return 1 if inner is None else inner.pipeline_size
+
+
+def pipeline_stage(model) -> tuple[dict, int] | None:
+    """This process's stage of a pipeline-parallel MODEL: ({layer number: layer} of the
+    layers it runs, numbered as in the whole model, and the whole model's layer count), or
+    None when MODEL is not split by layers. mlx-lm keeps the numbers (``layers[i]`` is layer
+    i; the earlier ones are None here) between ``start_idx`` and ``end_idx``."""
+    inner = _pipelined_inner(model)
+    if inner is None:
+        return None
+    start, end = inner.start_idx, inner.end_idx
+    total = next((n for owner in (model, getattr(model, "language_model", None), inner)
+                  if isinstance(n := getattr(getattr(owner, "args", None), "num_hidden_layers", None), int)), None)
+    if total is None:
+        raise AttributeError(f"cannot tell how many layers the pipelined {type(model).__module__} model has")
+    return {i: inner.layers[i] for i in range(start, end)}, total

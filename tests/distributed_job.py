@@ -7,7 +7,7 @@ OUT/rank<r>.json (OUT/single.json when not launched).
 
 JOBS_JSON: [{"target", "draft", "env"?, "cases": [case, ...]}, ...] ("env": variables set while
 the job runs, e.g. MLXSPEC_MTP_HEAD); a case is {"id", "prompt",
-"drafter", "temperature", "seed", "max_tokens", "tree"?}. "seed": "rank" gives each rank its own
+"drafter", "temperature", "seed", "max_tokens", "tree"?, "depth"?}. "seed": "rank" gives each rank its own
 seed (a planted divergence: the rank check must stop it). A result is {"tokens": [...], ...}
 (and "text") or {"error": "<type>: <message>"}.
 """
@@ -34,7 +34,7 @@ def run(out: Path, jobs: list[dict]) -> dict:
             try:
                 result = spec.generate(case["prompt"], raw=True, drafter=case["drafter"],
                                        temperature=case["temperature"], seed=seed, max_tokens=case["max_tokens"],
-                                       tree=case.get("tree", "default"))
+                                       tree=case.get("tree", "default"), depth=case.get("depth"))
                 results[case["id"]] = {"tokens": result.tokens, "text": result.text, "drafter": result.stats.drafter,
                                        "tree_steps": result.stats.tree_steps, "drafted": result.stats.drafted,
                                        "accepted": result.stats.accepted, "sharded": group is not None}

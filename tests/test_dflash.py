@@ -87,14 +87,34 @@ def test_a_drafter_for_another_target_is_refused(pairs):
         make_drafter("dflash", target.model, None)
 
 
-def test_a_target_split_by_layers_is_refused(pairs, monkeypatch):
-    """Over a pipeline each rank holds some of the layers: the capture's indices would name
-    others (the stage's list is shorter), so DFlash is refused at once, in words."""
-    target, draft, _ = pairs["qwen3_5"]
-    monkeypatch.setattr(target.model.language_model.model, "pipeline_size", 2)  # what pipeline() leaves
-    prompt = target.tokenizer.encode(PROMPT_TEXT)
-    with pytest.raises(DrafterError, match=r"split by layers over 2 processes \(pipeline parallel\).*--drafter pld"):
-        _speculate(target.model, draft.model, prompt, depth=3)
+def test_a_pipeline_stage_captures_its_layers_and_zeros_for_the_others():
+    """On a stage of mlx-lm's pipeline (layers 2-3 of 4 here, numbered as in the whole model),
+    the capture keeps the chosen layers this stage runs and zeros for the others, all-summed
+    over the processes (a group of one here: the sum is itself); the logits come back equal.
+    The two-process run is tests/test_distributed.py's pipeline job."""
+    from types import SimpleNamespace
+
+    import mlx.nn as nn
+
+    from mlxspec.models.layer_capture import LayerCapture, layer_count
+
+    H = 8
+    mx.random.seed(0)
+    stage = [nn.Linear(H, H), nn.Linear(H, H)]
+    inner = SimpleNamespace(pipeline_size=2, start_idx=2, end_idx=4, layers=[None, None, *stage])
+    model = SimpleNamespace(model=inner, args=SimpleNamespace(num_hidden_layers=4, hidden_size=H), layers=stage)
+    assert layer_count(model) == 4
+    with pytest.raises(DrafterError, match="target has 4"):
+        LayerCapture(model, (1, 4))
+    capture = LayerCapture(model, (1, 2))
+    x = mx.random.normal((1, 3, H))
+    out2 = stage[0](x)  # the stage's forward: layer 2, then 3
+    stage[1](out2)
+    logits = mx.random.normal((3, 5))
+    rows, same = capture.take_after(logits)
+    assert rows.shape == (3, 2 * H)
+    assert mx.array_equal(rows[:, :H], mx.zeros((3, H))) and mx.allclose(rows[:, H:], out2[0])
+    assert mx.array_equal(same, logits)
 
 
 def test_a_quantized_drafter_loads_and_drafts(pairs, tmp_path):

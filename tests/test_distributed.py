@@ -41,6 +41,7 @@ import pytest
 
 import distributed_job
 import tiny
+import tiny_dflash
 from mlxspec.cli.console import ErrorLines
 from mlxspec.engine import ranks, watchdog
 from mlxspec.models.sharding import launch_rank, launched, lost_peer
@@ -153,11 +154,15 @@ REPEATS = "abcabcabcabcabcabc"
 PIPELINE = [_case("pipeline-pld", "pld", prompt=REPEATS, max_tokens=40),
             _case("pipeline-seeded-pld", "pld", 0.8, 5, prompt=REPEATS, max_tokens=40),
             # the MTP head reads the last hidden state, which the pipeline gathers to every rank
-            _case("pipeline-mtp", "mtp", prompt=REPEATS, max_tokens=20)]
+            _case("pipeline-mtp", "mtp", prompt=REPEATS, max_tokens=20),
+            # DFlash reads layers 1 and 2, one on each rank: each captures its own, one all-sum;
+            # a fixed depth, so its (random, never right) drafts are verified, not only tried
+            _case("pipeline-dflash", "dflash", prompt=REPEATS, max_tokens=20, depth=3),
+            _case("pipeline-seeded-dflash", "dflash", 0.8, 6, prompt=REPEATS, max_tokens=20, depth=3)]
 JOBS = [{"target": str(MODELS / "mini-hybrid"), "draft": str(MODELS / "mini-draft"), "cases": HYBRID},
         {"target": str(MODELS / "mini-attn"), "draft": str(MODELS / "mini-attn-DFlash"), "cases": ATTENTION},
         {"target": "tiny_qwen3_5", "cases": UNTIED, "env": {"MLXSPEC_MTP_HEAD": "whole"}},
-        {"target": "tiny_qwen3_next", "cases": PIPELINE}]
+        {"target": "tiny_qwen3_next", "draft": "tiny_qwen3_next_dflash", "cases": PIPELINE}]
 
 
 def _qwen3_next_checkpoint(out: Path) -> Path:
@@ -206,7 +211,9 @@ def runs(tmp_path_factory, background):
     tiny_models = {"tiny_qwen3_5": str(tiny.write_checkpoint(tmp_path / "tiny_qwen3_5", "qwen3_5", vocab_size=38,
                                                              seed=4)),
                    "tiny_qwen3_next": str(_qwen3_next_checkpoint(tmp_path / "tiny_qwen3_next"))}
-    jobs = [{**job, "target": tiny_models.get(job["target"], job["target"])} for job in JOBS]
+    tiny_models["tiny_qwen3_next_dflash"] = str(tiny_dflash.write_dflash_checkpoint(
+        tmp_path / "tiny_qwen3_next_dflash", tiny_models["tiny_qwen3_next"], seed=2, target_layer_ids=[1, 2]))
+    jobs = [{**job, **{k: tiny_models.get(job[k], job[k]) for k in ("target", "draft") if k in job}} for job in JOBS]
     launch = Ranks(tmp_path, "launch", [sys.executable, JOB, out, json.dumps(jobs)])
     try:
         alone = [{**job, "cases": [{**c, "seed": 0} if c["temperature"] == 0 else c
@@ -238,12 +245,17 @@ def test_temperature_zero_is_the_single_process_output(runs):
     # drafts were rejected: each rank rolled its shard of the GatedDeltaNet state back (tape replay)
     assert rank0["mtp"]["drafted"] > rank0["mtp"]["accepted"] > 0
     assert rank0["pipeline-mtp"]["drafted"] > rank0["pipeline-mtp"]["accepted"]  # the head on a pipeline, rejected
+    assert rank0["pipeline-dflash"]["drafted"] > 0  # DFlash drafted from layers that two ranks captured
 
 
 def test_seeded_sampling_is_the_single_process_output_where_no_decision_reads_sizes(runs):
     rank0, _, single = runs
-    for name in ("seeded-none", "seeded-pld", "pipeline-seeded-pld"):
+    for name in ("seeded-none", "seeded-pld", "pipeline-seeded-pld", "pipeline-seeded-dflash"):
         assert rank0[name]["tokens"] == single[name]["tokens"], name
+    # DFlash on the pipeline kept some drafts at temperature 0.8: its draft distributions, made
+    # from layers captured on two ranks, are the single process's (planted: each rank's own
+    # captures with zeros for the other's layer, no all-sum: the tokens differ)
+    assert rank0["pipeline-seeded-dflash"]["accepted"] > 0
     assert rank0["pipeline-pld"]["drafted"] > rank0["pipeline-pld"]["accepted"]  # a pipeline stage rolled back
     # for the untied tiny model the MTP head's gates happen to decide alike too
     assert rank0["untied-seeded-mtp"]["tokens"] == single["untied-seeded-mtp"]["tokens"]

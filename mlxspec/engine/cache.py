@@ -240,7 +240,7 @@ class ModelState:
         if self._trunk is None:
             logits = self.model(tokens[None], cache=self.cache)[0]
             if self._capture is not None:
-                self.hidden = self._capture.take()
+                self.hidden, logits = self._capture.take_after(logits)
             return logits
         h = self._trunk.body(tokens[None], cache=self.cache)
         self.hidden = h[0]

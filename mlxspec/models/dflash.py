@@ -241,11 +241,11 @@ def check_pair(target: nn.Module, drafter: DFlashDraftModel, name: str = "drafte
     """One-line DrafterError when DRAFTER was not made for TARGET: its width, its layer count
     and the vocabulary (it borrows the target's embedding and LM head)."""
     from ..errors import DrafterError
-    from .layer_capture import decoder_layers
+    from .layer_capture import layer_count
     from .trunk import split_trunk
 
     args = drafter.args
-    layers = len(decoder_layers(target))
+    layers = layer_count(target)
     embed = split_trunk(target).embed
     vocab = embed.weight.shape[0]
     width = embed.weight.shape[1] * (32 // embed.bits if hasattr(embed, "bits") else 1)

@@ -1,14 +1,18 @@
 """Read the outputs of chosen decoder layers of a target as it runs (DFlash drafters are fed
 them): each chosen layer becomes a subclass of its own class that, while a capture is
 attached, keeps its output. The model's own ``__call__`` runs unchanged, so the logits are
-exactly those of plain decoding."""
+exactly those of plain decoding.
+
+On a target split by layers over several processes (mlx-lm's ``pipeline()``), each process
+captures the chosen layers it runs and zeros for the others, and one all-sum after the
+forward gives every process all of them (x + 0 is exact)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..compat import pipeline_size, swap_class
+from ..compat import pipeline_stage, swap_class
 from ..errors import DrafterError
 
 _CAPTURING: dict[type, type] = {}
@@ -37,6 +41,16 @@ def decoder_layers(model: nn.Module) -> list:
     return layers
 
 
+def layer_count(model: nn.Module) -> int:
+    """The target's decoder layers in all: on a pipeline stage the whole model's, not the
+    stage's (whose ``Model.layers`` lists only its own)."""
+    try:
+        stage = pipeline_stage(model)
+    except AttributeError as err:
+        raise DrafterError(f"the drafter reads the target's layer outputs, and this pipelined target's: {err}")
+    return len(decoder_layers(model)) if stage is None else stage[1]
+
+
 class _Sink:
     """A layer's captured outputs; not a list, so MLX does not take it for a parameter tree."""
 
@@ -48,25 +62,32 @@ class LayerCapture:
     """Outputs of layers ``ids`` of MODEL, per forward, concatenated along features."""
 
     def __init__(self, model: nn.Module, ids: tuple[int, ...] | list[int]):
-        stages = pipeline_size(model)
-        if stages > 1:  # model.layers is this stage's only: an index would name another layer
-            raise DrafterError(f"the drafter reads the target's layer outputs, and this target is split by layers "
-                               f"over {stages} processes (pipeline parallel), each holding some of them: use "
-                               "--drafter pld, mtp or draft")
-        layers = decoder_layers(model)
-        bad = [i for i in ids if not 0 <= i < len(layers)]
+        try:
+            stage = pipeline_stage(model)
+        except AttributeError as err:
+            raise DrafterError(f"the drafter reads the target's layer outputs, and this pipelined target's: {err}")
+        if stage is None:
+            layers = decoder_layers(model)
+            held, total = dict(enumerate(layers)), len(layers)
+        else:  # this stage's layers only, numbered as in the whole model
+            held, total = stage
+        bad = [i for i in ids if not 0 <= i < total]
         if bad:
-            raise DrafterError(f"the drafter reads target layers {list(ids)}, but the target has {len(layers)}")
-        self.layers = [layers[i] for i in ids]
+            raise DrafterError(f"the drafter reads target layers {list(ids)}, but the target has {total}")
+        self.pipelined = stage is not None
+        self.hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
+        self.layers = [held.get(i) for i in ids]  # None: run by another process of the pipeline
         self.sinks = [_Sink() for _ in ids]
         for layer, sink in zip(self.layers, self.sinks):
+            if layer is None:
+                continue
             if type(layer) not in _CAPTURING.values():
                 swap_class(layer, _capturing_class(type(layer)))
             layer._capture_sink = sink
 
     def take(self) -> mx.array | None:
         """The captured rows of the forwards since the last call, (n, len(ids) * H); None when
-        nothing ran."""
+        nothing ran. (A pipeline stage: :meth:`take_after`.)"""
         if not self.sinks[0].rows:
             return None
         parts = [mx.concatenate(s.rows, axis=1) if len(s.rows) > 1 else s.rows[0] for s in self.sinks]
@@ -74,9 +95,29 @@ class LayerCapture:
             s.rows.clear()
         return mx.concatenate(parts, axis=-1)[0]
 
+    def take_after(self, logits: mx.array) -> tuple[mx.array | None, mx.array]:
+        """(:meth:`take`'s rows, LOGITS) for the forward that gave LOGITS (n, V). On a pipeline
+        stage the rows are all-summed over the processes, the sum made to follow LOGITS and the
+        returned logits to follow the sum: every process then meets that collective at the same
+        place among the pipeline's own sends and gathers (in another order two ranks wait on
+        each other), and before anything computed from these logits."""
+        if not self.pipelined:
+            return self.take(), logits
+        n = logits.shape[0]
+        parts = []
+        for layer, sink in zip(self.layers, self.sinks):
+            rows = sink.rows
+            if layer is None:  # another process runs it: its zeros here
+                parts.append(mx.zeros((1, n, self.hidden_size), mx.float32))
+            else:
+                parts.append((mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]).astype(mx.float32))
+            rows.clear()
+        summed = mx.distributed.all_sum(mx.depends(mx.concatenate(parts, axis=-1), logits))
+        return summed[0].astype(logits.dtype), mx.depends(logits, summed)
+
     def close(self) -> None:
         """Stop keeping outputs (the layers stay of the capturing class: a plain pass-through)."""
         for layer, sink in zip(self.layers, self.sinks):
-            if getattr(layer, "_capture_sink", None) is sink:
+            if layer is not None and getattr(layer, "_capture_sink", None) is sink:
                 layer._capture_sink = None
             sink.rows.clear()
