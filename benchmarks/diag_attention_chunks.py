@@ -1,5 +1,7 @@
 """Verify attention over long caches: how many keys a pass-1 block of mlxspec's kernel should
-read (``kernels.attention.MAX_CHUNK_KEYS``), timed on the GPU.
+read, timed on the GPU. A cap gives long caches more chunks (more blocks in flight) than
+``kernels.attention.chunks`` gives them (its count fills the GPU once, whatever the length);
+the kernel takes any chunk count, so the cap is applied here by swapping ``chunks``.
 
 Parts:
   op     the attention op alone (bf16, Qwen3-8B's and Qwen3.6-27B's heads): MLX's 1-row kernel
@@ -32,6 +34,23 @@ def _cap(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+_chunks = attention.chunks
+
+
+def set_cap(cap: int | None) -> None:
+    """Let a pass-1 block read at most CAP keys (whole tiles; None: the shipped count)."""
+    def capped(S: int, blocks_per_chunk: int) -> int:
+        n = _chunks(S, blocks_per_chunk)
+        if cap:
+            tile = attention.TILE
+            n = max(n, min(-(-S // tile), -(-S // max(tile, cap // tile * tile))))
+            length = -(-(-(-S // n)) // attention.TILE) * attention.TILE  # as the kernel computes it
+            n = -(-S // length)
+        return n
+
+    attention.chunks = capped
+
+
 def part_op(caps, lengths, rows, calls: int, warmup: int) -> list[dict]:
     out = []
     for name, (Hq, Hkv, D) in HEADS.items():
@@ -40,7 +59,7 @@ def part_op(caps, lengths, rows, calls: int, warmup: int) -> list[dict]:
             line = {"heads": name, "keys": S, "mlx_1_row_ms": round(one, 4)}
             for L in rows:
                 for cap in caps:
-                    attention.MAX_CHUNK_KEYS = cap
+                    set_cap(cap)
                     ms, _ = time_op(_ours, Hq, Hkv, D, L, S, calls, warmup)
                     line[f"rows{L}_cap{cap}"] = round(ms, 4)
             print(json.dumps(line), flush=True)
@@ -65,7 +84,7 @@ def part_model(caps, context: int, rounds: int, shape: str = "qwen3-8b", widths=
     for r in range(rounds):
         order = [(cap, n) for cap in caps for n in widths]
         for cap, n in (order if r % 2 == 0 else order[::-1]):
-            attention.MAX_CHUNK_KEYS = cap
+            set_cap(cap)
             tokens = mx.random.randint(0, vocab, (1, n))
             mx.eval(tokens)
             t0 = time.perf_counter()

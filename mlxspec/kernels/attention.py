@@ -52,12 +52,6 @@ QUERY_TILE = WARPS * QUERIES_PER_WARP
 # Pass-1 blocks to aim for: about two per SM of a 132-SM GPU. Fewer chunks leave SMs idle
 # at short key lengths; more only add partial outputs for pass 2 to read.
 TARGET_BLOCKS = 264
-# Keys a pass-1 block reads at most (more chunks, so more blocks in flight, on long caches);
-# None: the chunk count from TARGET_BLOCKS alone. Measured on an H200 (8B heads, 32K keys,
-# benchmarks/diag_attention_chunks.py): caps of 1024 / 512 / 256 / 128 keys left a 2-row call
-# at 0.47-0.52 ms against 0.52 uncapped, and whole 2-token forwards at 2.06-2.20x one token
-# either way, so no cap is set; the knob stays for the diagnostic.
-MAX_CHUNK_KEYS: int | None = None
 
 _HEADER = """
 template <typename T>
@@ -411,12 +405,9 @@ def mask_kind(mask, target: tuple) -> str | None:
 
 def chunks(S: int, blocks_per_chunk: int) -> int:
     """Key chunks for pass 1: enough blocks to fill the GPU, at least a tile of keys each, none
-    empty, and at most MAX_CHUNK_KEYS keys each (in whole tiles). The kernel recomputes the
-    chunk length from this count (ceil(S / n) in whole tiles), which gives the same split."""
-    n = -(-TARGET_BLOCKS // blocks_per_chunk)
-    if MAX_CHUNK_KEYS:
-        n = max(n, -(-S // max(TILE, MAX_CHUNK_KEYS // TILE * TILE)))
-    n = max(1, min(-(-S // TILE), n))
+    empty. The kernel recomputes the chunk length from this count (ceil(S / n) in whole
+    tiles), which gives the same split."""
+    n = max(1, min(-(-S // TILE), -(-TARGET_BLOCKS // blocks_per_chunk)))
     length = -(-(-(-S // n)) // TILE) * TILE
     return -(-S // length)
 

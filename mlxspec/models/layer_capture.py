@@ -41,14 +41,23 @@ def decoder_layers(model: nn.Module) -> list:
     return layers
 
 
-def layer_count(model: nn.Module) -> int:
-    """The target's decoder layers in all: on a pipeline stage the whole model's, not the
-    stage's (whose ``Model.layers`` lists only its own)."""
+def _layers(model: nn.Module) -> tuple[dict, int]:
+    """({layer number: layer} of the decoder layers this process runs, the whole model's
+    count): all of them, or on a pipeline stage its own, numbered as in the whole model."""
     try:
         stage = pipeline_stage(model)
     except AttributeError as err:
         raise DrafterError(f"the drafter reads the target's layer outputs, and this pipelined target's: {err}")
-    return len(decoder_layers(model)) if stage is None else stage[1]
+    if stage is None:
+        layers = decoder_layers(model)
+        return dict(enumerate(layers)), len(layers)
+    return stage
+
+
+def layer_count(model: nn.Module) -> int:
+    """The target's decoder layers in all: on a pipeline stage the whole model's, not the
+    stage's (whose ``Model.layers`` lists only its own)."""
+    return _layers(model)[1]
 
 
 class _Sink:
@@ -62,20 +71,14 @@ class LayerCapture:
     """Outputs of layers ``ids`` of MODEL, per forward, concatenated along features."""
 
     def __init__(self, model: nn.Module, ids: tuple[int, ...] | list[int]):
-        try:
-            stage = pipeline_stage(model)
-        except AttributeError as err:
-            raise DrafterError(f"the drafter reads the target's layer outputs, and this pipelined target's: {err}")
-        if stage is None:
-            layers = decoder_layers(model)
-            held, total = dict(enumerate(layers)), len(layers)
-        else:  # this stage's layers only, numbered as in the whole model
-            held, total = stage
+        held, total = _layers(model)
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise DrafterError(f"the drafter reads target layers {list(ids)}, but the target has {total}")
-        self.pipelined = stage is not None
+        self.pipelined = len(held) < total
         self.hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
+        if self.pipelined and not isinstance(self.hidden_size, int):  # the zeros for others' layers need it
+            raise DrafterError(f"cannot tell the width of the pipelined {type(model).__module__} model")
         self.layers = [held.get(i) for i in ids]  # None: run by another process of the pipeline
         self.sinks = [_Sink() for _ in ids]
         for layer, sink in zip(self.layers, self.sinks):
