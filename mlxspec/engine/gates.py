@@ -34,7 +34,7 @@ class CostModel:
     # those follow ``slope``, itself measured; `mlxspec tune` measures every width
     partial: bool = False
     # a pipelined plain token over a waited 1-token forward (costs.plain_factor), 1 where not
-    # measured: on an H200, 8B shape, plain decoding ran 8.1 ms a token where a waited forward
+    # measured: on an H100, 8B shape, plain decoding ran 8.1 ms a token where a waited forward
     # took 11.2 ms, and a gate counting a plain token at 1 kept an MTP head whose ideal was 0.73x
     plain: float = 1.0
 
