@@ -21,7 +21,7 @@ from .engine.row_rules import RowRules
 from .engine.speculate import SpeculativeDecoder
 from .engine.stats import Stats
 from .errors import DrafterError, InvalidCheckpointError, ModelNotFoundError, UsageError
-from .models.loader import LoadedModel, load_model
+from .models.loader import LoadedModel, cast_floating, load_model
 from .models.sharding import world
 
 # DRAFTERS and DEFAULT_PROMPT_CACHE_BYTES stay importable from here: callers of the API read them
@@ -53,6 +53,7 @@ class SpecModel:
         self._mtp: tuple | None = None  # (head or None, why not) once looked for
         self._cost = None  # this machine's verify-cost curve, measured on first use
         self._draft_costs: dict[str, float] = {}  # a draft step's cost per drafter, likewise
+        self._shared = None  # a sharded target's costs, rank 0's (tuning/shared.py)
         # earlier prompts' caches: a request sharing a prefix with one prefills only the rest
         self.prompt_cache = PrefixCache(prompt_cache_bytes)
         self._fixed: bool | None = None  # see _fixed_state
@@ -120,18 +121,9 @@ class SpecModel:
     def astype(self, dtype: str) -> None:
         """Cast the floating-point weights of the target, draft model and MTP head to DTYPE
         (quantized weights stay as they are)."""
-        import mlx.core as mx
-        from mlx.utils import tree_map
-
-        target = getattr(mx, dtype)
         head, _ = self.mtp_head()
-        modules = [self.target.model] + ([self.draft.model] if self.draft else []) + ([head.module] if head else [])
-        for module in modules:
-            module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                                   module.parameters()))
-            # now, on this thread's stream: a lazy cast evaluated by another thread (the
-            # server's worker) fails there
-            mx.eval(module.parameters())
+        cast_floating([self.target.model] + ([self.draft.model] if self.draft else [])
+                      + ([head.module] if head else []), dtype)
 
     def grammar_tokenizer(self):
         """llguidance's view of the vocabulary (built on first use, about 1 s for 150k tokens)."""
@@ -245,10 +237,11 @@ class SpecModel:
         :class:`GenerationRequest`), over REQUEST's when both are given. With ``reuse`` the
         longest prefix shared with an earlier prompt (``prompt_cache``) is not prefilled again."""
         r, group = _request(request, options), self.target.group
+        timed = r.seed is None  # decisions by measured costs (a seeded run's must repeat)
         r = r if group is None else agreed(r, group)  # sharded: all ranks draw alike, prefill feeds the watchdog
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         rules, logprobs = self._rules(r)
-        steps = self._decoder(r).generate(
+        steps = self._decoder(r, timed).generate(
             prompt_ids,
             sampling=r.sampling,
             max_tokens=max_tokens,
@@ -335,8 +328,9 @@ class SpecModel:
             updates.close()
             batch.remove(row)
 
-    def _decoder(self, request: GenerationRequest) -> SpeculativeDecoder:
-        """The engine for REQUEST's drafter and depth, with this machine's measured costs."""
+    def _decoder(self, request: GenerationRequest, timed: bool | None = None) -> SpeculativeDecoder:
+        """The engine for REQUEST's drafter and depth, with this machine's measured costs (not
+        when TIMED is False; None: unless REQUEST is seeded)."""
         drafter = request.drafter
         head, why_not = self.mtp_head() if drafter in ("auto", "mtp") else (None, None)
         if drafter == "mtp" and head is None:
@@ -347,23 +341,28 @@ class SpecModel:
         name = resolve_drafter(drafter, draft_model, head)
         check_drafter(name, draft_model)
         max_depth = request.max_depth
-        alone = self.target.group is None  # a sharded run's ranks decide alike: nothing per machine
+        alone = self.target.group is None  # sharded: no tune record (one process's figures)
         if request.depth is None and name != "none" and alone:
             name, max_depth = self._tuned(request, name, head)
-        # Depth follows this machine's measured verify cost, except in seeded or sharded runs,
-        # whose decisions must not depend on timings (they would not repeat, or differ by rank).
-        cost = self.verify_cost(request.on_status) if name != "none" and request.seed is None and alone else None
-        draft_cost = None
-        if cost is not None and name != "none":
+        # Depth follows this machine's measured verify cost, except in seeded runs, whose
+        # decisions must not depend on timings (they would not repeat); sharded: rank 0's.
+        timed = (request.seed is None if timed is None else timed) and name != "none"
+        trees = request.tree != 0 and (request.tree != "default" or name == "dflash")  # asked, or DFlash's default
+        cost = draft_cost = None
+        if timed and not alone:  # every rank measures together; rank 0's figures for all
+            from .tuning.shared import measure_shared
+
+            self._shared = measure_shared(self, name, trees, self._shared, request.on_status)
+            cost, draft_cost = self._shared.cost, self._shared.draft_cost.get(name)
+        elif timed:
+            cost = self.verify_cost(request.on_status)
             from .tuning.storage import stored_draft_cost
 
             # `mlxspec tune` or an earlier run timed this drafter's step here
             draft_cost = stored_draft_cost(self.target, name, self.draft)
             if draft_cost is None and name in (*MODEL_DRAFTERS, "mtp"):
                 draft_cost = self.draft_cost(name, request.on_status)
-        # trees may run: asked for (a node count, or None: auto), or DFlash's default (auto)
-        trees = request.tree != 0 and (request.tree != "default" or name == "dflash")
-        if cost is not None and cost.tree_factor is None and trees and name != "none":
+        if alone and cost is not None and cost.tree_factor is None and trees:
             self._measure_tree_factor(cost, request.on_status)
         return SpeculativeDecoder(
             self.target.model,

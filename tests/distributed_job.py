@@ -38,6 +38,9 @@ def run(out: Path, jobs: list[dict]) -> dict:
                 results[case["id"]] = {"tokens": result.tokens, "text": result.text, "drafter": result.stats.drafter,
                                        "tree_steps": result.stats.tree_steps, "drafted": result.stats.drafted,
                                        "accepted": result.stats.accepted, "sharded": group is not None}
+                shared = spec._shared  # a sharded run's measured costs (rank 0's), None until measured
+                results[case["id"]].update(cost_model=result.stats.cost_model, curve=None if shared is None else {
+                    "verify": shared.cost.curve, "plain": shared.cost.plain, "draft": shared.draft_cost})
                 if case["drafter"] == "mtp":  # the bytes of the head this rank holds (all of it, or its part)
                     results[case["id"]]["head_nbytes"] = spec.mtp_head()[0].nbytes
             except MlxspecError as err:

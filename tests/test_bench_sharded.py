@@ -79,6 +79,10 @@ def test_cli_on_one_device_runs_every_engine_and_follows_every_script(tmp_path):
     drafted = [c for c in doc["cells"] if c["engine"] in ("mlxspec-pld", "mlxspec-mtp")]
     assert all(c["acceptance"] > 0.2 and c["tokens_per_step"] > 1 for c in drafted), drafted  # drafts were kept
     assert "stock (" in result.output and "one device" in result.output
+    # the gates weighed measured costs, as an unseeded `run` under mlx.launch does (rank 0's)
+    info = next(iter(run["shapes"].values())) if isinstance(run["shapes"], dict) else run["shapes"][0]
+    assert info["cost_curve"]["1"] == 1.0 and 0.25 <= info["cost_plain_step"] <= 1.0
+    assert set(info["mtp_step_cost"]) == {"mlxspec-mtp"} and info["mtp_step_cost"]["mlxspec-mtp"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [

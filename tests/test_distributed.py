@@ -273,6 +273,19 @@ def test_mtp_head_is_split_like_the_target_unless_asked_whole(runs):
         assert rank0[case]["head_nbytes"] == rank1[case]["head_nbytes"] == single[case]["head_nbytes"], case
 
 
+def test_unseeded_sharded_runs_decide_on_rank_zeros_measured_costs(runs, tmp_path_factory):
+    """An unseeded request over the ranks measures the costs once a process, every rank running
+    the same forwards, and every rank decides on rank 0's figures (tuning/shared.py); a seeded
+    one keeps the default curve (its decisions must repeat); no tune record is written."""
+    rank0, rank1, _ = runs
+    assert rank0["mtp"]["cost_model"] == "measured" and rank0["seeded-pld"]["cost_model"] == "default"
+    for case in ("mtp", "pipeline-pld", "attn-dflash"):
+        assert rank0[case]["curve"] == rank1[case]["curve"], case  # the same numbers, not each rank's own
+    assert rank0["mtp"]["curve"]["verify"]["1"] == 1.0 and 0.25 <= rank0["mtp"]["curve"]["plain"] <= 1.0
+    assert {"mtp", "draft"} <= set(rank0["draft"]["curve"]["draft"])  # each drafter's step timed when first used
+    assert not list((tmp_path_factory.getbasetemp() / "sharded0" / "tune").rglob("*.json"))
+
+
 def test_ranks_that_diverge_stop_with_an_error(runs):
     """A planted divergence (each rank its own seed) is caught on every rank, not mixed."""
     for rank in runs[:2]:

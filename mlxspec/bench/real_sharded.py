@@ -18,9 +18,10 @@ mlx-lm's functions are its own, nothing of mlxspec's is bound into mlx / mlx-lm 
 layers are mlx-lm's (the scripting aside). It lists the kernel modules imported (the tape
 imports ``mlxspec.kernels.gdn`` for its own use); none of them is installed.
 
-Engines, decided as ``mlxspec run`` decides under ``mlx.launch``: no timed costs (the default
-cost curve; a drafter's cost from its bytes), the committed tokens compared across ranks after
-every step (:func:`mlxspec.engine.ranks.checked`). Cells: ``echo`` (mlxspec plain and prompt
+Engines, decided as an unseeded ``mlxspec run`` decides under ``mlx.launch``: on costs every
+rank measures together and takes from rank 0 (the verify curve, the pipelined plain token, each
+MTP head's step: :mod:`mlxspec.tuning.shared`), the committed tokens compared across ranks
+after every step (:func:`mlxspec.engine.ranks.checked`). Cells: ``echo`` (mlxspec plain and prompt
 lookup) and ``mtp-like`` (the MTP head steered to the profile), each run right after a baseline
 run (ABAB, :func:`.real_summary.measure`), ``reps`` repetitions.
 """
@@ -123,7 +124,25 @@ class ShardedShapeBench:
         say(f"{shape}: timing forwards over a growing cache")
         # every rank times the same forwards (their collectives pair up); rank 0's times are kept
         self.forward = forward_ms(self.model, FORWARD_WIDTHS, prompt_tokens, reps, vocab)
+        say(f"{shape}: measuring the costs the gates weigh (as `run` does, rank 0's for all)")
+        self.cost, self.head_cost = self._costs(vocab)
         self.evidence_first = self.evidence_last = None
+
+    def _costs(self, vocab: int):
+        """(the verify-cost model, {engine: its MTP head's step cost}) measured on every rank
+        together, rank 0's figures (:mod:`mlxspec.tuning.shared`, as ``run`` measures them)."""
+        from ..engine.costs import measure_verify_cost
+        from ..engine.gates import CostModel
+        from ..tuning.measure import mtp_cost
+        from ..tuning.shared import CONTEXT, SHARED_REPS, rank0s
+
+        cost = measure_verify_cost(self.model, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
+        heads = {"mlxspec-mtp": self.head, SPLIT_HEAD: self.split_head}
+        mine = {"curve": {str(n): c for n, c in cost.curve.items()}, "plain": cost.plain,
+                "heads": {e: mtp_cost(self.model, h, vocab, CONTEXT, SHARED_REPS) for e, h in heads.items() if h}}
+        got = rank0s(mine, self.group)
+        curve = {int(n): float(c) for n, c in got["curve"].items()}
+        return CostModel(curve=curve, measured=True, plain=float(got["plain"])), got["heads"]
 
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
         import mlx.core as mx
@@ -156,13 +175,12 @@ class ShardedShapeBench:
 
         if cell.engine == "mlxspec-pld":
             drafter = SteeredLookup(script) if script.steered else "pld"
-        elif cell.engine == "mlxspec-mtp":  # its cost from its bytes against this rank's shard, as `run` does
-            drafter = SteeredMTP(self.head, self.target_nbytes, script)
-        elif cell.engine == SPLIT_HEAD:
-            drafter = SteeredMTP(self.split_head, self.target_nbytes, script)
+        elif cell.engine in ("mlxspec-mtp", SPLIT_HEAD):  # its step's measured cost, as `run` has it
+            head = self.head if cell.engine == "mlxspec-mtp" else self.split_head
+            drafter = SteeredMTP(head, self.target_nbytes, script, self.head_cost[cell.engine])
         else:
             drafter = "none"
-        dec = SpeculativeDecoder(self.model, drafter=drafter, cost=None)
+        dec = SpeculativeDecoder(self.model, drafter=drafter, cost=self.cost)
         steps = dec.generate(script.prompt, sampling=SamplingParams(0.0), max_tokens=n)
         if self.group is not None:
             steps = checked(steps, self.group)
@@ -190,6 +208,9 @@ class ShardedShapeBench:
         return {"baseline_caption": caption, "shape": self.shape, "bits": bits, "ranks": ranks,
                 "build_s": round(self.build_s, 1), "weights_mb_per_rank": round(self.target_nbytes / 1e6, 1),
                 "forward_ms": {str(k): round(v, 3) for k, v in self.forward.items()},
+                "cost_curve": {str(k): round(v, 3) for k, v in sorted(self.cost.curve.items())},
+                "cost_plain_step": round(self.cost.plain, 3),
+                "mtp_step_cost": {k: round(v, 3) for k, v in self.head_cost.items()},
                 "baseline": BASELINE, "baseline_runs": WHERE_BASELINE, "baseline_evidence_first": self.evidence_first,
                 "baseline_evidence": evidence,
                 "baseline_failures": failures(evidence) if evidence else None}

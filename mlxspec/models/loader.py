@@ -330,3 +330,17 @@ def check_architecture(config: dict, subject: str, failure: str = "does not supp
             f"{subject} has model_type '{config.get('model_type')}', "
             f"which mlx-lm {mlx_lm.__version__} {failure}"
         ) from None
+
+
+def cast_floating(modules: list, dtype: str) -> None:
+    """Cast the floating-point parameters of MODULES to DTYPE (quantized weights stay)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    target = getattr(mx, dtype)
+    for module in modules:
+        module.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+                               module.parameters()))
+        # now, on this thread's stream: a lazy cast evaluated by another thread (the server's
+        # worker) fails there
+        mx.eval(module.parameters())
