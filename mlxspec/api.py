@@ -36,9 +36,9 @@ from .options import (  # noqa: F401
 # the request and result types are the API's: importable from here as before
 from .request import Chunk, GenerationRequest, Result  # noqa: F401
 
-# drafters whose rows share a batched forward (engine/batch.py); the assistant reads the
-# target's own cache and DFlash hooks its layers: served alone
-BATCH_DRAFTERS = ("pld", "none", "mtp", "draft")
+# drafters whose rows share a batched forward (engine/batch.py; DFlash as chains); the
+# assistant reads the target's own cache: served alone
+BATCH_DRAFTERS = ("pld", "none", "mtp", "draft", "dflash")
 DRAFTER_PARTS = {"draft": "draft model", "mtp": "MTP head", "assistant": "Gemma-4 assistant"}
 
 
@@ -288,8 +288,9 @@ class SpecModel:
             return None, f"{self.name} cannot batch: {self.cannot_batch}"
         dec = self._decoder(request)
         name = dec.drafter.name if dec.drafter is not None else "none"
-        if name not in BATCH_DRAFTERS or dec.tree != 0:
-            return None, f"drafter {name}{' with trees' if dec.tree != 0 else ''} is served alone"
+        trees = dec.tree != 0 and not (name == "dflash" and request.tree == "default")  # its default: chains here
+        if name not in BATCH_DRAFTERS or trees:
+            return None, f"drafter {name}{' with trees' if trees else ''} is served alone"
         return RowPlan.of(dec), None
 
     def stream_in(self, batch: BatchedDecoder, prompt, request: GenerationRequest | None = None, *,

@@ -370,12 +370,82 @@ def test_a_long_prompt_joins_in_chunks_while_the_others_decode(spec):
     assert list(joining) and list(running)  # both complete
 
 
+# DFlash rows (chains): each reads its own row of the target layers captured over the batch
+DFLASH_REQUESTS = [
+    (IMPORTS, dict(drafter="dflash", max_tokens=40)),  # its default tree: chains in a batch
+    (REVERSE, dict(drafter="dflash", tree=0, temperature=0.8, seed=3, max_tokens=30)),
+    ("def fib(n):", dict(drafter="dflash", tree=0, temperature=0.6, seed=7, max_tokens=30)),
+    (LISTS, dict(drafter="pld", max_tokens=30)),
+]
+
+
+@pytest.fixture(scope="module")
+def dflash_spec():
+    s = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-attn-DFlash"))
+    s.astype("float32")
+    alone = [s.generate(p, reuse=False, **{"tree": 0, **o}) for p, o in DFLASH_REQUESTS]
+    return s, alone
+
+
+def dflash_together(spec) -> tuple[list[list[int]], list]:
+    batch = spec.batch(len(DFLASH_REQUESTS))
+    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in DFLASH_REQUESTS]
+    stats = [None] * len(streams)
+
+    def tokens_of(j):
+        def read(chunk):
+            stats[j] = chunk.stats
+            return chunk.tokens
+        return read
+
+    got = [[] for _ in streams]
+    live = list(enumerate(streams))
+    while live:
+        for entry in list(live):
+            j, stream = entry
+            chunk = next(stream, None)
+            if chunk is None:
+                live.remove(entry)
+            else:
+                got[j].extend(tokens_of(j)(chunk))
+    return got, stats
+
+
+def test_dflash_rows_give_what_each_request_gives_alone(dflash_spec):
+    """DFlash rows drafting chains side by side, at temperature 0 and seeded > 0, each with its
+    own row of the captured layers: each request's tokens are its own (chains) alone, and the
+    drafts were kept. Planted, next test: every row given the first row's captures."""
+    spec, alone = dflash_spec
+    got, stats = dflash_together(spec)
+    assert got == [r.tokens for r in alone]
+    assert [s.drafter for s in stats] == ["dflash", "dflash", "dflash", "pld"]
+    assert all(s.accepted > 0 for s in stats[:3]), [(s.drafted, s.accepted) for s in stats]
+    assert [s.accepted for s in stats[:3]] == [r.stats.accepted for r in alone[:3]]
+
+
+def test_the_planted_first_rows_captures_for_all_dflash_rows_are_caught(dflash_spec, monkeypatch):
+    spec, alone = dflash_spec
+    real = BatchedDecoder._forward
+
+    def first_rows(self, inputs, rows):
+        logits, hidden = real(self, inputs, rows)
+        first = next((h for h, r in zip(hidden, rows) if r.capture), None)
+        return logits, [first if r.capture else h for h, r in zip(hidden, rows)]
+
+    monkeypatch.setattr(BatchedDecoder, "_forward", first_rows)
+    got, _ = dflash_together(spec)
+    assert got[0] == alone[0].tokens  # temperature 0: drafts change nothing of the output
+    assert got[1] != alone[1].tokens and got[2] != alone[2].tokens  # seeded rows drew on other drafts
+
+
 def test_refusals_name_why(spec):
     from mlxspec.api import GenerationRequest
 
     assert spec.batch_plan(GenerationRequest(drafter="mtp"))[0] is not None
     dflash = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-attn-DFlash"))
-    assert dflash.batch_plan(GenerationRequest(drafter="dflash", tree=0))[1] == "drafter dflash is served alone"
+    assert dflash.batch_plan(GenerationRequest(drafter="dflash"))[0] is not None  # chains in a batch
+    trees = GenerationRequest(drafter="dflash", tree=8)
+    assert dflash.batch_plan(trees)[1] == "drafter dflash with trees is served alone"
     assert spec.batch_plan(GenerationRequest(logprobs=2, drafter="pld"))[0] is not None
     assert spec.batch_plan(GenerationRequest(drafter="pld", tree=4))[1] == "drafter pld with trees is served alone"
     gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers

@@ -124,7 +124,7 @@ def test_max_batch_flag_default_and_banner(spec, monkeypatch):
     rows, note = serve._max_batch(spec, None)
     assert rows >= 1 and "default:" in note
     assert serve._max_batch(spec, 3) == (3, "up to 3 requests decode together (--max-batch); requests with "
-                                            "the Gemma-4 assistant, DFlash or draft trees run alone")
+                                            "the Gemma-4 assistant or draft trees run alone (DFlash drafts chains)")
     gemma = mlxspec.load(str(MODELS / "mini-gemma4"))  # sliding-window layers
     rows, note = serve._max_batch(gemma, 4)
     assert rows == 1 and "cannot batch" in note and "RotatingKVCache" in note

@@ -313,7 +313,7 @@ def _max_batch(spec, asked: Optional[int]) -> tuple[int, str]:
     if asked == 1:
         return 1, f"requests run one at a time ({how})"
     return asked, (f"up to {asked} requests decode together ({how}); requests with the Gemma-4 "
-                   "assistant, DFlash or draft trees run alone")
+                   "assistant or draft trees run alone (DFlash drafts chains)")
 
 
 def _run_server(application, host: str, port: int, log_level: str) -> None:

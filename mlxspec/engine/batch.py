@@ -18,10 +18,11 @@ tokens are those of its request served alone, at any temperature, whatever its n
 do. That includes the single-request loop's pipelining: a plain step of every row queues the
 next plain step behind it when every row will decode plainly again (``Row.stays_plain_next``),
 and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape its own rows.
-Drafters: prompt lookup, none, an MTP head and a draft model: each row has its own
-drafter instance (its own head or draft-model cache, B = 1; an MTP head gets its row of the
-batched forward's hidden states). The Gemma-4 assistant (it reads the target's own cache) and
-DFlash (it hooks the target's layers) are served alone (``SpecModel.batch_plan``).
+Drafters: prompt lookup, none, an MTP head, a draft model and DFlash (chains): each row has
+its own drafter instance (its own head, draft-model or block-drafter cache, B = 1; an MTP head
+gets its row of the batched forward's hidden states, DFlash its row of the layers it reads,
+captured over the batch). The Gemma-4 assistant (it reads the target's own cache) and draft
+trees are served alone (``SpecModel.batch_plan``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
 from ..errors import UsageError
+from ..models.layer_capture import LayerCapture
 from .batch_ahead import BatchAhead
 from .batch_cache import RaggedCache
 from .cache import ModelState
@@ -145,6 +147,8 @@ class Row:
         self.stats = output.stats
         self.drafter = plan.drafter
         self.needs_hidden = self.drafter is not None and self.drafter.needs_hidden
+        # the target layers whose outputs it reads (DFlash) instead of the final hidden states
+        self.capture = self.drafter.capture_layers if self.needs_hidden else None
         self.prefix_cache = prefix_cache
         self.checkpoints = checkpoints
         self.gate = self.shadow = None
@@ -258,6 +262,7 @@ class BatchedDecoder:
         self.max_rows = max_rows
         self.prefill_step = prefill_step
         self.cache = RaggedCache(model)
+        self._captures: dict[tuple, LayerCapture] = {}  # per set of layers rows read (DFlash)
         self.rows: list[Row] = []  # in the cache's row order
         self.joining: deque[Row] = deque()
         self._queued: Queued | None = None  # a plain step queued behind the last one
@@ -346,7 +351,7 @@ class BatchedDecoder:
         """Restore the longest cached prefix, feed the rest (but the last token) a chunk per
         next(), storing at the row's checkpoints."""
         prompt, drafter = row.tokens, row.drafter
-        row.state = state = ModelState(self.model, keep_hidden=row.needs_hidden)
+        row.state = state = ModelState(self.model, keep_hidden=row.needs_hidden, capture=row.capture)
         row.stats.cached_tokens = restore_prefix(state, prompt, drafter, row.prefix_cache)
         yield from (None for _ in feed_prompt(state, prompt, drafter, row.prefix_cache, row.checkpoints,
                                               self.prefill_step))
@@ -378,8 +383,7 @@ class BatchedDecoder:
             logits = self._ahead.settle(rows, plans, width)  # the verify queued last step, if it is this one
             if logits is None:
                 inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
-                logits, h = self.cache.forward(mx.array(inputs, mx.uint32), any(r.needs_hidden for r in rows))
-                hidden = [h[i] if r.needs_hidden else None for i, r in enumerate(rows)]  # (W, H) each
+                logits, hidden = self._forward(mx.array(inputs, mx.uint32), rows)
             else:  # rows that guess read no hidden states
                 hidden = [None] * len(rows)
             assert logits.shape[:2] == (len(rows), width), logits.shape  # (B, W, V)
@@ -423,10 +427,22 @@ class BatchedDecoder:
         the single-request loop decides it; not while a row is joining (it changes the batch)."""
         if self.joining or not all(r.stays_plain_next() for r in rows):
             return
-        logits, h = self.cache.forward(tokens.astype(mx.uint32), any(r.needs_hidden for r in rows))  # (B, 1, V)
+        logits, hidden = self._forward(tokens.astype(mx.uint32), rows)  # (B, 1, V)
         if greedy_rows(rows):
             nxt = greedy_tokens(logits)
         else:
             nxt = mx.stack([r.sampling.sample(logits[i, :1]) for i, r in enumerate(rows)])  # (B, 1)
         mx.async_eval(nxt)
-        self._queued = Queued(list(rows), nxt, [h[i] if r.needs_hidden else None for i, r in enumerate(rows)])
+        self._queued = Queued(list(rows), nxt, hidden)
+
+    def _forward(self, inputs: mx.array, rows: list[Row]) -> tuple[mx.array, list[mx.array | None]]:
+        """The batched forward on INPUTS (B, W): logits (B, W, V) and each row's rows of what its
+        drafter reads, (W, H) or (W, layers x H) (None: nothing)."""
+        ids = {r.capture for r in rows if r.capture}
+        assert len(ids) <= 1, ids  # one loaded drafter: every DFlash row reads the same layers
+        capture = None
+        if ids:
+            key = next(iter(ids))
+            capture = self._captures.get(key) or self._captures.setdefault(key, LayerCapture(self.model, key))
+        logits, h, captured = self.cache.forward(inputs, any(r.needs_hidden and not r.capture for r in rows), capture)
+        return logits, [captured[i] if r.capture else h[i] if r.needs_hidden else None for i, r in enumerate(rows)]

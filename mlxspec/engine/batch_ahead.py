@@ -89,7 +89,7 @@ class BatchAhead:
         """Run GUESS's forward behind the verify in flight (while the hit rate is high)."""
         self.guess = guess
         if self.gate.on:
-            guess.logits, _ = self.cache.forward(guess.inputs(pad))
+            guess.logits, _, _ = self.cache.forward(guess.inputs(pad))
             mx.async_eval(guess.logits)
 
     def confirmed(self, plans: Sequence, kept: Sequence[int], last: Sequence[int]) -> int:

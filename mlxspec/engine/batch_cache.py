@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
 
 from ..models.gdn_tape import tape_layers
+from ..models.layer_capture import LayerCapture
 from ..models.trunk import split_trunk
 from .cache import Snapshot, cache_leaves, snapshot_caches
 
@@ -111,15 +112,19 @@ class RaggedCache:
         if len(rows) == 1:
             self.layers = [c.extract(0) if isinstance(c, BatchKVCache) else c for c in self.layers]
 
-    def forward(self, inputs: mx.array, hidden: bool = False) -> tuple[mx.array, mx.array | None]:
-        """The model on INPUTS (B, W) over these caches: logits (B, W, V) and with HIDDEN the
-        final-norm hidden states (B, W, H); the recurrent layers taped so :meth:`rollback`
-        can undo any tail of each row."""
+    def forward(self, inputs: mx.array, hidden: bool = False,
+                capture: LayerCapture | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """The model on INPUTS (B, W) over these caches: logits (B, W, V), with HIDDEN the
+        final-norm hidden states (B, W, H), with CAPTURE its layers' outputs (B, W, layers x H,
+        what DFlash reads); the recurrent layers taped so :meth:`rollback` can undo any tail
+        of each row."""
         taping = inputs.shape[1] > 1  # a one-token step is never rolled back
         self._before = [list(c.cache) for c in self._recurrent] if taping else []
         for c in self._recurrent if taping else ():
             c.record_tape = True
         h = None
+        if capture is not None:
+            capture.attach()
         try:
             if hidden:
                 if self._trunk is None:
@@ -132,7 +137,7 @@ class RaggedCache:
             self._tapes = [getattr(c, "tape", None) for c in self._recurrent]
             for c in self._recurrent:
                 c.record_tape, c.tape = False, None
-        return logits, h
+        return logits, h, None if capture is None else capture.take(batched=True)
 
     def rollback(self, junk: list[int]) -> None:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of

@@ -238,6 +238,8 @@ class ModelState:
         their hidden rows in ``hidden``. No rollback record, ``length`` unchanged: for a feed the
         caller accounts for (``forward``; a tree verify, ``engine/tree_forward.py``)."""
         if self._trunk is None:
+            if self._capture is not None:
+                self._capture.attach()
             logits = self.model(tokens[None], cache=self.cache)[0]
             if self._capture is not None:
                 self.hidden, logits = self._capture.take_after(logits)

@@ -81,22 +81,38 @@ class LayerCapture:
             raise DrafterError(f"cannot tell the width of the pipelined {type(model).__module__} model")
         self.layers = [held.get(i) for i in ids]  # None: run by another process of the pipeline
         self.sinks = [_Sink() for _ in ids]
-        for layer, sink in zip(self.layers, self.sinks):
-            if layer is None:
-                continue
-            if type(layer) not in _CAPTURING.values():
+        for layer in self.layers:
+            if layer is not None and type(layer) not in _CAPTURING.values():
                 swap_class(layer, _capturing_class(type(layer)))
-            layer._capture_sink = sink
+        self.attach()
 
-    def take(self) -> mx.array | None:
-        """The captured rows of the forwards since the last call, (n, len(ids) * H); None when
-        nothing ran. (A pipeline stage: :meth:`take_after`.)"""
+    def attach(self) -> None:
+        """Make the next forward's outputs this capture's (anything kept before is dropped):
+        several captures may share layers (a batch's and a joining row's own), each attached
+        before the forward it reads and let go by :meth:`take`, so a forward no capture asked
+        for keeps nothing."""
+        for layer, sink in zip(self.layers, self.sinks):
+            sink.rows.clear()
+            if layer is not None:
+                layer._capture_sink = sink
+
+    def _let_go(self) -> None:
+        for layer, sink in zip(self.layers, self.sinks):
+            if layer is not None and getattr(layer, "_capture_sink", None) is sink:
+                layer._capture_sink = None
+
+    def take(self, batched: bool = False) -> mx.array | None:
+        """The captured rows of the forwards since the last call, (n, len(ids) * H), or with
+        BATCHED every row of the batch, (B, n, len(ids) * H); None when nothing ran. (A
+        pipeline stage: :meth:`take_after`.)"""
+        self._let_go()
         if not self.sinks[0].rows:
             return None
         parts = [mx.concatenate(s.rows, axis=1) if len(s.rows) > 1 else s.rows[0] for s in self.sinks]
         for s in self.sinks:
             s.rows.clear()
-        return mx.concatenate(parts, axis=-1)[0]
+        out = mx.concatenate(parts, axis=-1)
+        return out if batched else out[0]
 
     def take_after(self, logits: mx.array) -> tuple[mx.array | None, mx.array]:
         """(:meth:`take`'s rows, LOGITS) for the forward that gave LOGITS (n, V). On a pipeline
@@ -106,6 +122,7 @@ class LayerCapture:
         each other), and before anything computed from these logits."""
         if not self.pipelined:
             return self.take(), logits
+        self._let_go()
         n = logits.shape[0]
         parts = []
         for layer, sink in zip(self.layers, self.sinks):
@@ -120,7 +137,6 @@ class LayerCapture:
 
     def close(self) -> None:
         """Stop keeping outputs (the layers stay of the capturing class: a plain pass-through)."""
-        for layer, sink in zip(self.layers, self.sinks):
-            if layer is not None and getattr(layer, "_capture_sink", None) is sink:
-                layer._capture_sink = None
+        self._let_go()
+        for sink in self.sinks:
             sink.rows.clear()
