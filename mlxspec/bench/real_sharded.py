@@ -134,9 +134,9 @@ class ShardedShapeBench:
         from ..engine.costs import measure_verify_cost
         from ..engine.gates import CostModel
         from ..tuning.measure import mtp_cost
-        from ..tuning.shared import CONTEXT, SHARED_REPS, rank0s
+        from ..tuning.shared import CONTEXT, SHARED_REPS, SHARED_WIDTHS, rank0s
 
-        cost = measure_verify_cost(self.model, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
+        cost = measure_verify_cost(self.model, SHARED_WIDTHS, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
         heads = {"mlxspec-mtp": self.head, SPLIT_HEAD: self.split_head}
         mine = {"curve": {str(n): c for n, c in cost.curve.items()}, "plain": cost.plain,
                 "heads": {e: mtp_cost(self.model, h, vocab, CONTEXT, SHARED_REPS) for e, h in heads.items() if h}}

@@ -24,8 +24,9 @@ from ..engine.gates import CostModel
 from ..engine.ranks import share
 from .measure import draft_step_cost
 
-SHARED_REPS = 3  # repetitions of each width (every rank runs them all)
-CONTEXT = 128
+SHARED_REPS = 2  # repetitions of each width (every rank runs them all; the fastest counts)
+SHARED_WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # verify widths timed; those between, interpolated
+CONTEXT = 64  # tokens in the cache while timing (prefilled by every rank, for each measurement)
 
 
 @dataclass
@@ -49,12 +50,12 @@ def measure_shared(spec, drafter: str, trees: bool, known: SharedCosts | None,
         if known is None:
             if on_status:
                 on_status("measuring the verify cost over the ranks (once per process)")
-            cost = measure_verify_cost(model, context=CONTEXT, reps=SHARED_REPS, vocab=vocab,
+            cost = measure_verify_cost(model, SHARED_WIDTHS, context=CONTEXT, reps=SHARED_REPS, vocab=vocab,
                                        on_progress=lambda done, total: watchdog.progress())
             mine.update(curve={str(n): c for n, c in cost.curve.items()}, plain=cost.plain)
         needs_tree = trees and (known is None or not known.trees_timed)
         if needs_tree:
-            mine["tree_factor"] = measure_tree_factor(model, vocab=vocab)
+            mine["tree_factor"] = measure_tree_factor(model, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
             watchdog.progress()
         if drafter != "pld" and (known is None or drafter not in known.draft_cost):
             if on_status:
