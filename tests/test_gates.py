@@ -64,6 +64,45 @@ def test_useless_draft_model_is_switched_off(qwen3, tiny_qwen3_draft):
     assert 4 <= stats.probes <= 8
 
 
+def _plain_starts(monkeypatch) -> list[bool]:
+    """Per plain step of the loop: whether it found nothing queued (the pipeline had stopped)."""
+    from mlxspec.engine import speculate
+
+    starts = []
+    real = speculate._Run._pipelined_token
+
+    def spy(self, pending, remaining):
+        starts.append(pending is None)
+        return real(self, pending, remaining)
+
+    monkeypatch.setattr(speculate._Run, "_pipelined_token", spy)
+    return starts
+
+
+def test_probes_run_beside_the_queued_plain_step(qwen3, tiny_qwen3_draft, monkeypatch):
+    """A switched-off draft model's probes go into the GPU queue behind the plain step in flight
+    and are read when the tokens they guessed are: the plain steps stay pipelined through them.
+    Only the first step and the trial's (speculation is on while on trial) find nothing
+    queued. Planted: probing as before (a due probe stops the pipeline, then runs alone) adds
+    one such step per probe."""
+    model, tok = qwen3
+    draft = mlx_lm.load(str(tiny_qwen3_draft))[0]
+    prompt = tok.encode(NOVEL_PROMPT)
+    plain, _ = run(model, prompt, n=200, drafter="none")
+    starts = _plain_starts(monkeypatch)
+    out, stats = run(model, prompt, n=200, drafter="draft", draft_model=draft)
+    assert out == plain and stats.verify_steps == 0 and stats.probes >= 6
+    trial = stats.gate_events[0].at_token
+    assert sum(starts) <= trial + 1, (sum(starts), trial, stats.probes)
+
+    starts.clear()  # planted: probed as a drafter that cannot probe in flight is (before, all of them)
+    from mlxspec.engine.drafters.draft_model import DraftModelDrafter
+
+    monkeypatch.setattr(DraftModelDrafter, "probes_in_flight", False)
+    out, stats = run(model, prompt, n=200, drafter="draft", draft_model=draft)
+    assert out == plain and sum(starts) >= trial + 1 + (stats.probes - trial)
+
+
 def test_probes_take_no_random_draw(qwen3, tiny_qwen3_draft):
     """A drafter the gate keeps off changes nothing of a seeded sampled run: its probes are
     greedy and never verified, so the request's draws are plain decoding's, one per token."""

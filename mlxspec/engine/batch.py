@@ -198,7 +198,12 @@ class Row:
     def plan(self) -> Step:
         """This row's share of the next step, decided as the single-request loop decides it."""
         remaining = self.output.remaining
-        if self.drafter is None or remaining <= 1 or self.queued_plain:
+        if self.drafter is None or remaining <= 1:
+            return Step()
+        if self.queued_plain:  # a plain step in flight: a due probe goes beside it, as alone
+            if getattr(self.drafter, "probes_in_flight", False) and probe(self.drafter, self.shadow, self.tokens,
+                                                       self.gate.probe_depth()):
+                self.stats.probes += 1
             return Step()
         k = min(self.gate.depth(), remaining - 1)
         self._sync_gate()

@@ -51,6 +51,10 @@ class Drafter(ABC):
     trees_by_default: bool = False
     # Target layers whose outputs make those rows (DFlash); None: the final-norm hidden state.
     capture_layers: tuple[int, ...] | None = None
+    # Whether a probe (gates.probe) may run while a plain step is in flight, the target a token
+    # ahead of the committed ones: true where a proposal does not read that step's rows or
+    # cache (an MTP head takes its pending rows in order, a draft model reads neither)
+    probes_in_flight: bool = False
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         """A new request with this prompt begins. The target's cache already holds

@@ -40,6 +40,7 @@ def check_compatible(target, draft) -> None:
 class DraftModelDrafter(Drafter):
     name = "draft"
     uses_model = True
+    probes_in_flight = True
 
     def __init__(self, model: nn.Module, target_nbytes: int | None = None, cost_per_token: float | None = None):
         self.model = model

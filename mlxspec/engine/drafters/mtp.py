@@ -21,6 +21,7 @@ class MTPDrafter(Drafter):
     name = "mtp"
     uses_model = True
     needs_hidden = True
+    probes_in_flight = True
 
     def __init__(self, head: MTPHead, target_nbytes: int | None = None, cost_per_token: float | None = None):
         self.head = head
