@@ -128,8 +128,8 @@ def serve(
         "--max-queue", metavar="N", help="Requests that may wait for the worker before 503.")] = DEFAULT_MAX_QUEUE,
     max_batch: Annotated[Optional[int], typer.Option(
         "--max-batch", metavar="N", show_default=False,
-        help="Requests decoded together, each exact as if alone (the Gemma-4 assistant, DFlash "
-             "and draft trees run one at a time). Default: what this machine's memory holds beside "
+        help="Requests decoded together, each exact as if alone (the Gemma-4 assistant and draft "
+             "trees run one at a time; DFlash drafts chains). Default: what this machine's memory holds beside "
              f"the model, at most {DEFAULT_MAX_BATCH_CAP}; 1 serves one at a time (always under mlx.launch).")] = None,
     max_tokens_cap: Annotated[int, typer.Option(
         "--max-tokens-cap", metavar="N", help="Largest max_tokens a request may ask for.")] = DEFAULT_MAX_TOKENS_CAP,
