@@ -132,17 +132,15 @@ class ShardedShapeBench:
         """(the verify-cost model, {engine: its MTP head's step cost}) measured on every rank
         together, rank 0's figures (:mod:`mlxspec.tuning.shared`, as ``run`` measures them)."""
         from ..engine.costs import measure_verify_cost
-        from ..engine.gates import CostModel
         from ..tuning.measure import mtp_cost
-        from ..tuning.shared import CONTEXT, SHARED_REPS, SHARED_WIDTHS, rank0s
+        from ..tuning.shared import CONTEXT, SHARED_REPS, SHARED_WIDTHS, cost_of, figures, rank0s
 
         cost = measure_verify_cost(self.model, SHARED_WIDTHS, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
         heads = {"mlxspec-mtp": self.head, SPLIT_HEAD: self.split_head}
-        mine = {"curve": {str(n): c for n, c in cost.curve.items()}, "plain": cost.plain,
+        mine = {**figures(cost),
                 "heads": {e: mtp_cost(self.model, h, vocab, CONTEXT, SHARED_REPS) for e, h in heads.items() if h}}
         got = rank0s(mine, self.group)
-        curve = {int(n): float(c) for n, c in got["curve"].items()}
-        return CostModel(curve=curve, measured=True, plain=float(got["plain"])), got["heads"]
+        return cost_of(got), got["heads"]
 
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
         import mlx.core as mx

@@ -201,8 +201,7 @@ class Row:
         if self.drafter is None or remaining <= 1:
             return Step()
         if self.queued_plain:  # a plain step in flight: a due probe goes beside it, as alone
-            if getattr(self.drafter, "probes_in_flight", False) and probe(self.drafter, self.shadow, self.tokens,
-                                                       self.gate.probe_depth()):
+            if self.gate.probes_in_flight and probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
                 self.stats.probes += 1
             return Step()
         k = min(self.gate.depth(), remaining - 1)

@@ -125,12 +125,13 @@ def verify_times(
 
 
 PLAIN_STEPS = 8  # pipelined plain tokens a timing run reads
+PLAIN_RUNS = 2  # timed runs (after an untimed one); the fastest counts
 PLAIN_CONTEXT = 16  # tokens in the cache before it: host time is what pipelining hides
 PLAIN_MAX_S = 1.0  # within a budget, the measurement is skipped (factor 1) where it would take longer
 
 
 def plain_factor(model: nn.Module, one: float, vocab: int = 256, steps: int = PLAIN_STEPS,
-                 runs: int = 2) -> float:
+                 runs: int = PLAIN_RUNS) -> float:
     """What a plain token costs in mlx-lm's pipelined loop (the next 1-token forward queued
     before the current token is read) over ONE, a waited 1-token forward's seconds: the
     fastest of RUNS timed runs of STEPS tokens, after an untimed one, within [0.25, 1]. The
@@ -189,8 +190,8 @@ def measure_verify_cost(
     are extrapolated at the slope of the last two measured ones (the CPU pays about per row).
 
     The pipelined plain token's cost (:func:`plain_factor`) is measured too: always without a
-    budget, within one where its (PLAIN_STEPS + 2) x 3 forwards fit in PLAIN_MAX_S (a slow
-    machine keeps 1)."""
+    budget, within one where its (PLAIN_STEPS + 2) x (PLAIN_RUNS + 1) forwards fit in
+    PLAIN_MAX_S (a slow machine keeps 1)."""
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     samples = verify_times(model, widths, context, reps, vocab, warmup_each=on_gpu,
                            budget_s=budget_s, on_progress=on_progress)
@@ -198,7 +199,7 @@ def measure_verify_cost(
     base = times[1]
     curve = {n: t / base for n, t in times.items()}
     cost = CostModel(curve=curve, measured=True)
-    if budget_s is None or (PLAIN_STEPS + 2) * 3 * base <= PLAIN_MAX_S:
+    if budget_s is None or (PLAIN_STEPS + 2) * (PLAIN_RUNS + 1) * base <= PLAIN_MAX_S:
         cost.plain = plain_factor(model, base, vocab)
     if set(curve) != {1, *widths}:  # cut short by the budget
         measured = sorted(curve)

@@ -231,8 +231,13 @@ class SpeculationGate:
         (``Drafter.probes_in_flight``; :func:`probe`)."""
         if self.on or not self.gating:  # on trial too: it is on until the trial fails
             return True
-        in_flight = getattr(self.drafter, "probes_in_flight", False)  # drafters outside the Drafter class: no
-        return self.best_depth()[1] > self.ON_ABOVE or (self._probe_due() and not in_flight)
+        return self.best_depth()[1] > self.ON_ABOVE or (self._probe_due() and not self.probes_in_flight)
+
+    @property
+    def probes_in_flight(self) -> bool:
+        """Whether the drafter's probes may run beside a queued plain step (``Drafter.probes_in_flight``;
+        drafters outside the Drafter class: no)."""
+        return getattr(self.drafter, "probes_in_flight", False)
 
     def tick_plain(self) -> None:
         """One token was decoded plainly."""

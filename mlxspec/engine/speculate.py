@@ -191,8 +191,7 @@ class _Run:
                         draft = self.drafter.propose(self.tokens, k, sampling)
                     elif k == 0:
                         self._probe(self.gate.probe_depth())
-                elif pending is not None and remaining > 1 and self.drafter is not None and \
-                        getattr(self.drafter, "probes_in_flight", False):
+                elif pending is not None and remaining > 1 and self.drafter is not None and self.gate.probes_in_flight:
                     self._probe(self.gate.probe_depth())  # a due probe, queued behind the step in flight
                 if new is None and draft is not None:
                     new = self._speculative_step(draft)

@@ -66,6 +66,10 @@ class _Sink:
     def __init__(self):
         self.rows: list[mx.array] = []
 
+    def joined(self) -> mx.array:
+        """The kept outputs as one array, (B, n, H)."""
+        return mx.concatenate(self.rows, axis=1) if len(self.rows) > 1 else self.rows[0]
+
 
 class LayerCapture:
     """Outputs of layers ``ids`` of MODEL, per forward, concatenated along features."""
@@ -108,7 +112,7 @@ class LayerCapture:
         self._let_go()
         if not self.sinks[0].rows:
             return None
-        parts = [mx.concatenate(s.rows, axis=1) if len(s.rows) > 1 else s.rows[0] for s in self.sinks]
+        parts = [s.joined() for s in self.sinks]
         for s in self.sinks:
             s.rows.clear()
         out = mx.concatenate(parts, axis=-1)
@@ -126,12 +130,11 @@ class LayerCapture:
         n = logits.shape[0]
         parts = []
         for layer, sink in zip(self.layers, self.sinks):
-            rows = sink.rows
             if layer is None:  # another process runs it: its zeros here
                 parts.append(mx.zeros((1, n, self.hidden_size), mx.float32))
             else:
-                parts.append((mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]).astype(mx.float32))
-            rows.clear()
+                parts.append(sink.joined().astype(mx.float32))
+            sink.rows.clear()
         summed = mx.distributed.all_sum(mx.depends(mx.concatenate(parts, axis=-1), logits))
         return summed[0].astype(logits.dtype), mx.depends(logits, summed)
 

@@ -53,7 +53,7 @@ def measure_shared(spec, drafter: str, trees: bool, known: SharedCosts | None,
                 on_status("measuring the verify cost over the ranks (once per process)")
             cost = measure_verify_cost(model, SHARED_WIDTHS, context=CONTEXT, reps=SHARED_REPS, vocab=vocab,
                                        on_progress=lambda done, total: watchdog.progress())
-            mine.update(curve={str(n): c for n, c in cost.curve.items()}, plain=cost.plain)
+            mine.update(figures(cost))
         needs_tree = trees and (known is None or not known.trees_timed)
         if needs_tree:
             mine["tree_factor"] = measure_tree_factor(model, context=CONTEXT, reps=SHARED_REPS, vocab=vocab)
@@ -69,6 +69,17 @@ def measure_shared(spec, drafter: str, trees: bool, known: SharedCosts | None,
     return _merged(known, got, drafter)
 
 
+def figures(cost: CostModel) -> dict:
+    """COST's measured curve and plain-token factor, JSON-able (for :func:`rank0s`)."""
+    return {"curve": {str(n): c for n, c in cost.curve.items()}, "plain": cost.plain}
+
+
+def cost_of(got: dict) -> CostModel:
+    """The measured cost model :func:`figures` wrote (after :func:`rank0s`: rank 0's)."""
+    return CostModel(curve={int(n): float(c) for n, c in got["curve"].items()}, measured=True,
+                     plain=float(got["plain"]))
+
+
 def rank0s(mine: dict, group) -> dict:
     """Rank 0's MINE (a JSON-able dict of measured figures) on every rank of GROUP; MINE itself
     without a group (one process)."""
@@ -80,8 +91,7 @@ def rank0s(mine: dict, group) -> dict:
 def _merged(known: SharedCosts | None, got: dict, drafter: str) -> SharedCosts:
     """KNOWN with rank 0's figures GOT (see :func:`measure_shared`) added."""
     if known is None:
-        curve = {int(n): float(c) for n, c in got["curve"].items()}
-        known = SharedCosts(CostModel(curve=curve, measured=True, plain=float(got["plain"])), {})
+        known = SharedCosts(cost_of(got), {})
     if "tree_factor" in got:
         known.cost.tree_factor, known.trees_timed = got["tree_factor"], True
     if "draft_cost" in got:
