@@ -197,6 +197,68 @@ def test_swap_sends_2_to_8_rows_to_the_kernel_and_falls_back_when_off(monkeypatc
     assert mx.array_equal(before, after)
 
 
+def test_a_shards_quantized_layers_swap_keep_their_collective_and_come_back(monkeypatch):
+    """A tensor-parallel target's layers (mlx's sharded quantized classes) get the kernel for
+    their local matmul; the row-split layer's all-sum still runs, after it; uninstall gives
+    mlx's classes back. Over one rank the all-sum is the identity, so outputs are checkable."""
+    from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
+
+    group = mx.distributed.init()
+    mlp = _quantized_mlp()
+    col = QuantizedAllToShardedLinear.from_quantized_linear(mlp.layers[0], group=group)
+    row = QuantizedShardedToAllLinear.from_quantized_linear(mlp.layers[1], group=group)
+    model = nn.Sequential(col, row)
+    x = mx.random.normal((1, 4, 256))
+    before = model(x)
+    monkeypatch.setattr(qmm, "active", lambda: True)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
+    assert qmm.install(model) == 2
+    assert isinstance(col, qmm.SmallMQuantizedAllToShardedLinear)
+    assert isinstance(row, qmm.SmallMQuantizedShardedToAllLinear)
+    called, summed = [], []
+    all_sum = mx.distributed.all_sum
+    monkeypatch.setattr(mx.distributed, "all_sum",
+                        lambda y, group=None: summed.append(y.shape) or all_sum(y, group=group))
+
+    def matmul(module, y):  # the kernel's place, filled by MLX's matmul (no CUDA here)
+        called.append(type(module))
+        return mx.quantized_matmul(y, module["weight"], module["scales"], module["biases"], transpose=True,
+                                   group_size=module.group_size, bits=module.bits)
+
+    monkeypatch.setattr(qmm, "_matmul", matmul)
+    assert mx.allclose(model(x), before, atol=1e-5)
+    assert called == [qmm.SmallMQuantizedAllToShardedLinear, qmm.SmallMQuantizedShardedToAllLinear]
+    assert summed == [(1, 4, 64)]  # the row-split layer's partial sums, once
+    model(x[:, :1])
+    assert len(called) == 2  # decode: mlx's layers
+    assert kernels.uninstall(model) == 2
+    assert type(col) is QuantizedAllToShardedLinear and type(row) is QuantizedShardedToAllLinear
+
+
+def test_uninstall_leaves_a_process_stock(monkeypatch):
+    """What bench --sharded does before each baseline run in its own process: after install,
+    uninstall leaves the stock evidence clean (mlx-lm's functions, mlx's layer classes)."""
+    from mlx_lm.models import qwen3, qwen3_5, qwen3_next
+
+    from mlxspec.bench.stock_evidence import evidence, failures
+
+    for module in (qwen3, qwen3_next):
+        monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+    for module in (qwen3_5, qwen3_next):
+        monkeypatch.setattr(module, "gated_delta_update", module.gated_delta_update)
+    model = _tiny_qwen3()
+    nn.quantize(model, group_size=64, bits=4)
+    monkeypatch.setattr(kernels, "active", lambda: True)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
+    done = kernels.install(model)
+    assert done["qmm_layers"] > 0 and done["attention_modules"] == 1
+    dirty = [f for f in failures(evidence([model])) if not f.startswith("imported ")]
+    assert dirty  # the check sees what install did
+    assert kernels.uninstall(model) == done["qmm_layers"] + 1 + 2  # layers, attention, both GDN users
+    assert [f for f in failures(evidence([model])) if not f.startswith("imported ")] == []
+    assert kernels.uninstall(model) == 0
+
+
 def test_sweep_times_each_shape_with_the_kernels_off_too(monkeypatch):
     from mlxspec.bench.sweep import run_sweep
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_map
@@ -172,6 +173,27 @@ def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "0")
     off = model(tokens)
     _close(on, off, 2e-2)
+
+
+def test_sharded_quantized_layers_keep_their_outputs_with_the_kernel(monkeypatch):
+    """mlx's tensor-parallel quantized layers (over this one process's group, where the all-sum
+    is the identity) give mlx's outputs with the small-M kernel swapped in, 1..9 rows."""
+    from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear
+
+    group = mx.distributed.init()
+    mx.random.seed(7)
+    model = nn.Sequential(nn.Linear(1536, 2048), nn.Linear(2048, 1536, bias=False))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    col = QuantizedAllToShardedLinear.from_quantized_linear(model.layers[0], group=group)
+    row = QuantizedShardedToAllLinear.from_quantized_linear(model.layers[1], group=group)
+    model = nn.Sequential(col, row)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)  # these matrices are below the size limit
+    xs = [mx.random.normal((1, rows, 1536)).astype(mx.bfloat16) for rows in range(1, 10)]
+    want = [model(x) for x in xs]
+    assert qmm.install(model) == 2 and isinstance(row, qmm.SmallMQuantizedShardedToAllLinear)
+    for x, w in zip(xs, want):
+        _close(model(x), w, TOL[mx.bfloat16])
 
 
 def _fp32(module):

@@ -6,17 +6,18 @@ scaling reference).
 Every rank builds the same random model of the shape (same seed, :func:`.synthetic.random_model`),
 shards it with its family's ``shard(group)`` (mlx-lm's tensor parallelism, as ``sharded_load``
 does) and scripts its logits (:class:`.scripted.ScriptedLogits`; a head split over the
-vocabulary scripts its own slice). No mlxspec kernel is installed anywhere in the process (a
-sharded target never gets them: ``models.loader``), so the one-device reference runs without
-them too: both sides of the scaling ratio decode alike.
+vocabulary scripts its own slice). mlxspec's engines run with mlxspec's CUDA kernels on the
+shard, as a sharded ``run`` loads it (``models.loader``); the one-device reference the same.
 
 The baseline, :data:`.real_plan.BASELINE`, is mlx-lm's ``generate_step`` on that model, in this process
-(a second process could not join the ranks' collectives). Before each baseline run the layers
-mlxspec's engine gave a class of its own (the GatedDeltaNet tape) get mlx-lm's class back;
+(a second process could not join the ranks' collectives). Before each baseline run the kernels
+are taken out (:func:`mlxspec.kernels.uninstall`: mlx-lm's functions rebound, mlx's layer
+classes back) and the layers mlxspec's engine gave a class of its own (the GatedDeltaNet tape)
+get mlx-lm's class back; before each mlxspec run the kernels go in again.
 :func:`.stock_evidence.evidence` checks before the first baseline run and after the last that
 mlx-lm's functions are its own, nothing of mlxspec's is bound into mlx / mlx-lm and the model's
-layers are mlx-lm's (the scripting aside). It lists the kernel modules imported (the tape
-imports ``mlxspec.kernels.gdn`` for its own use); none of them is installed.
+layers are mlx-lm's (the scripting aside). It lists the kernel modules imported; none of them
+is installed while the baseline runs.
 
 Engines, decided as an unseeded ``mlxspec run`` decides under ``mlx.launch``: on costs every
 rank measures together and takes from rank 0 (the verify curve, the pipelined plain token, each
@@ -35,7 +36,8 @@ from ..errors import UsageError
 from .real_plan import BASELINE, Cell
 from .real_shapes import Run, forward_ms
 
-WHERE_BASELINE = "in the bench's own process (every rank), mlxspec's tape classes set back before each run"
+WHERE_BASELINE = ("in the bench's own process (every rank), mlxspec's kernels and tape classes taken out "
+                  "before each run")
 WORKLOADS = ("echo", "mtp-like")
 ENGINES = {"echo": ("mlxspec-none", "mlxspec-pld"), "mtp-like": ("mlxspec-mtp",)}
 # over several ranks the MTP head also runs split like the target (models/mtp/head.shard_head)
@@ -118,6 +120,7 @@ class ShardedShapeBench:
                 self.split_head = random_mtp_head(self.model, shape, bits=bits, kernels=False)
                 shard_head(self.split_head.module, group)
                 self.split_head.nbytes = model_nbytes(self.split_head.module)  # this rank's part
+        self.kernels = self._kernels_in()
         self.build_s = time.perf_counter() - t0
         self.target_nbytes = model_nbytes(self.model)  # this rank's shard
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
@@ -127,6 +130,16 @@ class ShardedShapeBench:
         say(f"{shape}: measuring the costs the gates weigh (as `run` does, rank 0's for all)")
         self.cost, self.head_cost = self._costs(vocab)
         self.evidence_first = self.evidence_last = None
+
+    def _kernels_in(self) -> dict:
+        """mlxspec's CUDA kernels into the target and its heads, as a sharded ``run`` loads them
+        (a no-op off CUDA or with MLXSPEC_KERNELS=0); what went in."""
+        from ..kernels import install
+
+        for head in (self.head, self.split_head):
+            if head is not None:
+                install(head.module)
+        return install(self.model)
 
     def _costs(self, vocab: int):
         """(the verify-cost model, {engine: its MTP head's step cost}) measured on every rank
@@ -155,9 +168,11 @@ class ShardedShapeBench:
         return self._mlxspec(script, n, cell)
 
     def _stock(self, script, n: int) -> Run:
+        from ..kernels import uninstall
         from .stock_evidence import evidence
         from .stock_worker import generate
 
+        uninstall(self.model)
         stock_layers(self.model)
         if self.evidence_first is None:
             self.evidence_first = evidence([self.model])
@@ -171,6 +186,7 @@ class ShardedShapeBench:
         from ..engine.speculate import SpeculativeDecoder
         from .script import SteeredLookup, SteeredMTP
 
+        self._kernels_in()  # the baseline run before took them out
         if cell.engine == "mlxspec-pld":
             drafter = SteeredLookup(script) if script.steered else "pld"
         elif cell.engine in ("mlxspec-mtp", SPLIT_HEAD):  # its step's measured cost, as `run` has it
@@ -203,7 +219,7 @@ class ShardedShapeBench:
                    f"mlx-lm's functions its own, nothing of mlxspec bound in mlx / mlx-lm, the model's layers "
                    f"mlx-lm's: {'stock' if stock else 'NOT STOCK'}"
                    + (f" ({len(evidence['originals'])} functions checked against mlx-lm's source)" if evidence else ""))
-        return {"baseline_caption": caption, "shape": self.shape, "bits": bits, "ranks": ranks,
+        return {"baseline_caption": caption, "shape": self.shape, "bits": bits, "ranks": ranks, "kernels": self.kernels,
                 "build_s": round(self.build_s, 1), "weights_mb_per_rank": round(self.target_nbytes / 1e6, 1),
                 "forward_ms": {str(k): round(v, 3) for k, v in self.forward.items()},
                 "cost_curve": {str(k): round(v, 3) for k, v in sorted(self.cost.curve.items())},
@@ -238,7 +254,8 @@ def run_sharded(shapes, group, *, bits: int = 4, prompt_tokens: int = 512, max_t
     config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
               "reps": reps, "order": "ABAB", "workloads": list(workloads), "temperature": 0.0, "seed": seed,
               "ranks": group.size() if group is not None else 1, "backend": backend_name() if group else None,
-              "kernels": "none (a sharded target gets none; the one-device reference neither)"}
+              "kernels": "mlxspec's CUDA kernels in mlxspec's runs where active (each shape's 'kernels'), "
+                         "taken out before every baseline run"}
     cells_out, shapes_out = [], []
 
     def result(cells_now, infos):

@@ -186,8 +186,8 @@ def random_mtp_head(model: nn.Module, shape: str, bits: int = 4, group_size: int
     """A one-layer Qwen3.5-layout MTP head (fc, two pre-norms, a full-attention decoder layer
     with the trunk's MLP kind, final norm; the trunk's lm_head) with random weights, bound to
     ``model``: its real cost, for timing. Dense Qwen3 shapes ship no head; theirs is the same
-    layout at the trunk's sizes. ``kernels`` False: none of mlxspec's kernels installed (as on a
-    sharded target, where installing them would rebind mlx-lm's attention for the baseline too)."""
+    layout at the trunk's sizes. ``kernels`` False: none of mlxspec's kernels installed (``bench
+    --sharded`` installs them after sharding, and takes them out for its in-process baseline)."""
     from mlx_lm.models.qwen3_5 import TextModelArgs
 
     from ..models.mtp.head import MTPHead, QwenMTPHead

@@ -22,6 +22,7 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear, sum_gradients
 
 from ..compat import swap_class
 from .switch import active, int_array
@@ -240,7 +241,32 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
         return _matmul(self, x) if _use(self, x) else super().as_linear(x)
 
 
-SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding}
+class SmallMQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+    """A tensor-parallel target's column-split layer (mlx's: this rank's slice of the outputs, no
+    collective in the forward pass) with the kernel: a verify's matmul is local to the rank."""
+
+    def __call__(self, x):
+        if not _use(self, x):
+            return super().__call__(x)
+        y = _matmul(self, sum_gradients(self.group)(x))  # the identity forward, as mlx's layer
+        return y + self["bias"] if "bias" in self else y
+
+
+class SmallMQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+    """A tensor-parallel target's row-split layer (mlx's: a partial matmul, then the all-sum over
+    the ranks) with the kernel for the partial matmul; the all-sum stays mlx's, in its place."""
+
+    def __call__(self, x):
+        if not _use(self, x):
+            return super().__call__(x)
+        y = mx.distributed.all_sum(_matmul(self, x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
+
+
+# exact classes: a sharded layer is not a QuantizedLinear, and gets its own kernel class
+SWAPS = {nn.QuantizedLinear: SmallMQuantizedLinear, nn.QuantizedEmbedding: SmallMQuantizedEmbedding,
+         QuantizedAllToShardedLinear: SmallMQuantizedAllToShardedLinear,
+         QuantizedShardedToAllLinear: SmallMQuantizedShardedToAllLinear}
 
 
 def install(model: nn.Module) -> int:

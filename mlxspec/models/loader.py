@@ -275,10 +275,11 @@ def load_model(ref: str | None, group: Any = None) -> LoadedModel:
         except Exception as err:  # mlx/transformers raise many types for broken files
             raise InvalidCheckpointError(f"cannot load model '{name}': {_one_line(err)}") from err
     fix_loaded(model, path, config)
-    if group is None:  # mlxspec's fused kernels know nothing of a shard's collectives
-        from ..kernels import install
+    from ..kernels import install
 
-        install(model)  # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0
+    # CUDA verify kernels; a no-op elsewhere or with MLXSPEC_KERNELS=0. A shard's too: each
+    # kernel works on the rank's own heads and rows, its collectives stay mlx's (kernels/qmm.py)
+    install(model)
     ready(model)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, name=name, is_demo=is_demo,
                        group=group)

@@ -9,8 +9,8 @@ and the ranks stay in step. Nothing is read from or written to the tune records:
 one process's costs on this machine, not a sharded run's (whose forwards wait on the link).
 Before this, a sharded run decided on the default curve, which priced a 3-row verify at 1.16
 forwards and a plain token at 1 where one GPU measured 1.47 and 0.84 (8B shape), and on two
-GPUs a 2-16 token forward at 1.08-2.2 where it cost 4.6-6.4x (MLX's CUDA attention builds a
-graph per key length on a sharded target: docs/distributed.md).
+GPUs a 2-16 token forward at 1.08-2.2 where it cost 4.6-6.4x (then MLX's CUDA attention built
+a graph per key length: a sharded target had none of mlxspec's kernels; docs/distributed.md).
 """
 
 from __future__ import annotations
