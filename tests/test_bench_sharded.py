@@ -1,8 +1,9 @@
 """`mlxspec bench --real-shapes SHAPE --sharded`: the benchmark of a target sharded over the
 ranks of an mlx.launch run (measured on two GPUs, docs/distributed.md), here on one CPU
-process: its baseline is stock mlx-lm in the bench's own process once mlxspec's tape classes
-are set back, a head split over the vocabulary scripts its own slice, every cell follows its
-script. (`mlx.launch` runs of the engine itself: tests/test_distributed.py.)"""
+process: its baseline is stock mlx-lm in the bench's own process once mlxspec's kernels are
+taken out and its tape classes set back (a planted kernel left in is caught), mlxspec's cells
+run with the kernels in, a head split over the vocabulary scripts its own slice, every cell
+follows its script. (`mlx.launch` runs of the engine itself: tests/test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -95,3 +96,51 @@ def test_cli_on_one_device_runs_every_engine_and_follows_every_script(tmp_path):
 def test_bad_flags_are_one_line_errors(flags, message):
     result = CliRunner().invoke(cli.app, ["bench", *flags])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.fixture
+def kernels_bound(monkeypatch):
+    """mlxspec's kernels installed as on CUDA (their dispatchers fall back off CUDA, so the runs
+    still compute): every binding install may change is put back after the test."""
+    from mlx_lm.models import llama, qwen3, qwen3_5, qwen3_next
+
+    from mlxspec import kernels
+
+    for module in (qwen3, qwen3_next, qwen3_5, llama):
+        for name in ("scaled_dot_product_attention", "gated_delta_update"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(kernels, "active", lambda: True)
+    return kernels
+
+
+def _bench_echo(tmp_path) -> dict:
+    out = tmp_path / "sharded.json"
+    result = CliRunner().invoke(cli.app, ["bench", "--real-shapes", "smoke", "--sharded", "--bits", "0", "--reps",
+                                          "1", "--max-tokens", "16", "--prompt-tokens", "40", "--workloads", "echo",
+                                          "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+def test_kernels_run_in_mlxspecs_cells_and_are_out_for_every_baseline_run(kernels_bound, tmp_path, monkeypatch):
+    from mlx_lm.models import qwen3
+
+    from mlxspec.engine.speculate import SpeculativeDecoder
+    from mlxspec.kernels import attention
+
+    seen = []
+    real = SpeculativeDecoder.generate
+
+    def generate(self, *args, **kw):  # what the engine's attention is bound to in mlxspec's runs
+        seen.append(qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
+    doc = _bench_echo(tmp_path)
+    run = doc["real_shapes"]
+    assert run["shapes"][0]["kernels"]["attention_modules"] == 1 and seen and all(seen)
+    assert run["baseline_stock"] is True and all(c["identical"] for c in doc["cells"])
+    # PLANTED: kernels left in for the baseline runs are caught by the stock evidence
+    monkeypatch.setattr(kernels_bound, "uninstall", lambda model: 0)
+    assert _bench_echo(tmp_path)["real_shapes"]["baseline_stock"] is False

@@ -171,3 +171,19 @@ def test_a_gguf_path_the_system_refuses_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / ("o" * 300)))
     with pytest.raises(ModelNotFoundError, match="cannot read"):
         load_model("ollama:smollm2:135m")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_kernels_go_into_a_shard_as_into_a_whole_model(tiny_llama, monkeypatch, sharded):
+    """The CUDA kernels work on a rank's own heads and rows (a sharded layer's all-sum stays
+    mlx's): a shard gets them too, or its verifies pay MLX's per-key-length attention graphs."""
+    from mlx_lm.utils import load
+
+    from mlxspec import kernels
+    from mlxspec.models import sharding
+
+    installed = []
+    monkeypatch.setattr(kernels, "install", lambda model: installed.append(model) or {})
+    monkeypatch.setattr(sharding, "load_sharded", lambda path, name, group: load(str(path), return_config=True))
+    loaded = load_model(str(tiny_llama), group=object() if sharded else None)
+    assert installed == [loaded.model]
