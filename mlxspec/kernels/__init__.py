@@ -6,6 +6,8 @@ ops per token), MLX's quantized matmul for 2..7 rows reads the weights once per 
 attention for 2..16 query rows rebuilds a cuDNN graph whenever the key length changes (every
 verify step). :mod:`.gdn`, :mod:`.qmm` and :mod:`.attention` replace the three on CUDA;
 everywhere else, and with ``MLXSPEC_KERNELS=0``, mlx-lm's and MLX's own paths run unchanged.
+A target sharded by tensor parallelism gets them too: each works on the rank's own heads and
+rows, and a sharded layer's all-sum stays where mlx puts it (:mod:`.qmm`).
 """
 
 from __future__ import annotations
