@@ -28,6 +28,18 @@ def _tune_records_apart(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MLXSPEC_TUNE_DIR", str(tmp_path_factory.mktemp("tune")))
 
 
+@pytest.fixture
+def mlx_lm_bindings_kept(monkeypatch):
+    """The functions mlxspec's kernels rebind inside mlx-lm's model modules (attention, the
+    GatedDeltaNet recurrence) are put back after the test, whatever it installed."""
+    from mlx_lm.models import llama, qwen3, qwen3_5, qwen3_next
+
+    for module in (qwen3, qwen3_next, qwen3_5, llama):
+        for name in ("scaled_dot_product_attention", "gated_delta_update"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))
+
+
 @pytest.fixture(scope="session")
 def shared_tokenizer(tmp_path_factory):
     """Byte-level BPE (512 tokens) shared by every model that must be draft-compatible."""

@@ -235,17 +235,11 @@ def test_a_shards_quantized_layers_swap_keep_their_collective_and_come_back(monk
     assert type(col) is QuantizedAllToShardedLinear and type(row) is QuantizedShardedToAllLinear
 
 
-def test_uninstall_leaves_a_process_stock(monkeypatch):
+def test_uninstall_leaves_a_process_stock(monkeypatch, mlx_lm_bindings_kept):
     """What bench --sharded does before each baseline run in its own process: after install,
     uninstall leaves the stock evidence clean (mlx-lm's functions, mlx's layer classes)."""
-    from mlx_lm.models import qwen3, qwen3_5, qwen3_next
-
     from mlxspec.bench.stock_evidence import evidence, failures
 
-    for module in (qwen3, qwen3_next):
-        monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
-    for module in (qwen3_5, qwen3_next):
-        monkeypatch.setattr(module, "gated_delta_update", module.gated_delta_update)
     model = _tiny_qwen3()
     nn.quantize(model, group_size=64, bits=4)
     monkeypatch.setattr(kernels, "active", lambda: True)
@@ -406,11 +400,9 @@ def _verify_logits(model):
     return model(mx.array([[3, 1, 4, 1]]), cache=cache)
 
 
-def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch):
+def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch, mlx_lm_bindings_kept):
     from mlx_lm.models import llama, qwen3, qwen3_5, qwen3_next
 
-    for module in (qwen3, qwen3_next, llama):
-        monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
     model = _tiny_qwen3()
     before = _verify_logits(model)
     assert attention.install(model) == 1
@@ -421,8 +413,6 @@ def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch):
 
     # through kernels.install, as a loaded model gets it where the kernels are active
     monkeypatch.setattr(qwen3, "scaled_dot_product_attention", attention._mlx_lm_sdpa)
-    for module in (qwen3_5, qwen3_next):
-        monkeypatch.setattr(module, "gated_delta_update", module.gated_delta_update)
     monkeypatch.setattr(kernels, "active", lambda: True)
     assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "attention_modules": 1}
     assert qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention
