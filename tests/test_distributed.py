@@ -141,7 +141,10 @@ class Ranks:
 HYBRID = [_case("none", "none"), _case("pld", "pld"), _case("mtp", "mtp"), _case("draft", "draft"),
           _case("seeded-none", "none", 0.8, 7), _case("seeded-pld", "pld", 0.8, 7),
           _case("own-seeds", "mtp", 0.8, "rank")]
-ATTENTION = [_case("attn-dflash", "dflash"), _case("attn-dflash-chain", "dflash", tree=0),
+# attn-dflash: a fixed tree budget and depth, so trees are verified on the sharded target
+# whatever this machine's timing (unseeded, its auto budget reads rank 0's measured costs: a
+# loaded CI machine once measured trees as not paying, and only chains ran)
+ATTENTION = [_case("attn-dflash", "dflash", tree=8, depth=3), _case("attn-dflash-chain", "dflash", tree=0),
              _case("attn-seeded-dflash", "dflash", 0.8, 3)]
 # a random-weight Qwen3.5 checkpoint (tests/tiny.py) with what the mini models lack: an untied
 # lm_head, which mlx-lm splits over the vocabulary (the MTP head reads it through the trunk);
