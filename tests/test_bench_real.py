@@ -62,6 +62,27 @@ def test_steered_lookup_follows_the_drafted_script():
     assert d.peek(tokens, [7, 7], 3) == s.drafted[22:25]
 
 
+def test_steered_mtp_rows_drafted_together_follow_the_drafted_script(monkeypatch):
+    """A batch's MTP rows draft in one call (MTPDrafter.propose_together); each row's draft is
+    then its own script's (PLANTED, without SteeredMTP's override they keep the head's tokens)."""
+    from mlxspec.bench.script import SteeredMTP
+    from mlxspec.engine.drafters.base import Draft
+    from mlxspec.engine.drafters.mtp import MTPDrafter
+
+    scripts = [make_script("scripted-a0.6", 1024, 16, 40, seed=seed) for seed in (1, 2)]
+    rows = []
+    for s in scripts:
+        row = SteeredMTP.__new__(SteeredMTP)  # no head: the chains below stand for its drafts
+        row.script = s
+        rows.append(row)
+    head_drafts = lambda cls, drafters, tokens, ks, samplings: [  # noqa: E731
+        Draft(mx.full((k,), 1023, mx.uint32)) for k in ks]
+    monkeypatch.setattr(MTPDrafter, "propose_together", classmethod(head_drafts))
+    tokens = [s.target[:20] for s in scripts]
+    got = SteeredMTP.propose_together(rows, tokens, [3, 2], [None, None])
+    assert [d.host_tokens() for d in got] == [scripts[0].drafted[20:23], scripts[1].drafted[20:22]]
+
+
 def test_plan_has_forced_depths_and_the_draft_baseline_only_for_dense():
     dense = plan(["scripted-a1.0", "novel"], True, (1, 2), 0.7)
     hybrid = plan(["scripted-a1.0", "novel"], False, (1, 2), None)

@@ -256,6 +256,13 @@ class SteeredMTP(MTPDrafter):
     def propose(self, tokens, k, sampling):
         return steer(super().propose(tokens, k, sampling), self.script, len(tokens))
 
+    @classmethod
+    def propose_together(cls, drafters, tokens, ks, samplings):
+        # the rows' chains drafted together for real, then each row's the script's (a row that
+        # drafted alone went through propose, already steered: steering again changes nothing)
+        drafts = super().propose_together(drafters, tokens, ks, samplings)
+        return [steer(d, r.script, len(t)) for d, r, t in zip(drafts, drafters, tokens, strict=True)]
+
 
 class SteeredAssistant(AssistantDrafter):
     """The Gemma-4 assistant drafts for real from the target's cache (its cost is paid), then its

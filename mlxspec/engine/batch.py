@@ -21,8 +21,11 @@ and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape it
 Drafters: prompt lookup, none, an MTP head, a draft model and DFlash (chains): each row has
 its own drafter instance (its own head, draft-model or block-drafter cache, B = 1; an MTP head
 gets its row of the batched forward's hidden states, DFlash its row of the layers it reads,
-captured over the batch). The Gemma-4 assistant (it reads the target's own cache) and draft
-trees are served alone (``SpecModel.batch_plan``).
+captured over the batch). Rows whose drafter ``drafts_together`` (MTP heads) hand in a wish
+from :meth:`Row.plan` and are drafted in one call after every row has planned: the heads'
+chains then share one forward a draft position (``MTPDrafter.propose_together``). The
+Gemma-4 assistant (it reads the target's own cache) and draft trees are served alone
+(``SpecModel.batch_plan``).
 """
 
 from __future__ import annotations
@@ -58,13 +61,15 @@ PAD = 0  # fed after a row's drafts up to the step's width; its positions are ro
 class Step:
     """One row's share of a step: a plain step (``draft`` None) or a verify of DRAFT (cut by
     the row's constraint: ``masks`` for its rows, ``cut_q`` the q of a token cut), DRAFTED
-    tokens proposed before the cut (counted whole: tokens cut are rejections)."""
+    tokens proposed before the cut (counted whole: tokens cut are rejections). WISH: (depth,
+    sampling) of a draft not made yet, made with the other rows' (:func:`draft_together`)."""
 
     draft: Draft | None = None
     host: tuple[int, ...] = ()
     masks: mx.array | None = None
     cut_q: mx.array | None = None
     drafted: int = 0
+    wish: tuple[int, SamplingParams] | None = None
 
     def accept(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(n accepted, the tokens after each prefix, the processed rows) from this row's LOGITS
@@ -114,6 +119,22 @@ def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.a
     padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)  # -1: never a token
     same = tokens[:, :-1].astype(mx.int32) == padded
     return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
+
+
+def draft_together(rows: Sequence[Row], plans: list[Step]) -> list[Step]:
+    """PLANS with each wish drafted: the rows wishing with one kind of drafter in one
+    ``propose_together`` call (an MTP head's chains share their forwards)."""
+    kinds: dict[type, list[int]] = {}
+    for i, p in enumerate(plans):
+        if p.wish is not None:
+            kinds.setdefault(type(rows[i].drafter), []).append(i)
+    plans = list(plans)
+    for kind, idx in kinds.items():
+        drafts = kind.propose_together([rows[i].drafter for i in idx], [rows[i].tokens for i in idx],
+                                       [plans[i].wish[0] for i in idx], [plans[i].wish[1] for i in idx])
+        for i, draft in zip(idx, drafts, strict=True):
+            plans[i] = Step() if draft is None else Step(draft, drafted=len(draft))
+    return plans
 
 
 @dataclass
@@ -210,7 +231,10 @@ class Row:
             if probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
                 self.stats.probes += 1
             return Step()
-        draft = self.drafter.propose(self.tokens, k, self.rules.draft_sampling(self.sampling, self.drafter))
+        sampling = self.rules.draft_sampling(self.sampling, self.drafter)
+        if self.drafter.drafts_together:
+            return Step(wish=(k, sampling))
+        draft = self.drafter.propose(self.tokens, k, sampling)
         if draft is None:
             return Step()
         return Step(draft, drafted=len(draft))  # its tokens are read by :meth:`read`
@@ -380,7 +404,7 @@ class BatchedDecoder:
             together = True  # its tokens were sampled on the device, one (B, 1) array
             n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens
         else:
-            plans = [r.plan() for r in rows]
+            plans = draft_together(rows, [r.plan() for r in rows])
             mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
             plans = [r.read(p) for r, p in zip(rows, plans)]
             width = 1 + max(len(p.host) for p in plans)

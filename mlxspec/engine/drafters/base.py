@@ -55,6 +55,8 @@ class Drafter(ABC):
     # ahead of the committed ones: true where a proposal does not read that step's rows or
     # cache (an MTP head takes its pending rows in order, a draft model reads neither)
     probes_in_flight: bool = False
+    # Whether a batch's rows with this drafter draft in one call (:meth:`propose_together`)
+    drafts_together: bool = False
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         """A new request with this prompt begins. The target's cache already holds
@@ -85,6 +87,13 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         """Up to k draft tokens, or None when there is nothing worth proposing."""
+
+    @classmethod
+    def propose_together(cls, drafters: list[Drafter], tokens: list[list[int]], ks: list[int],
+                         samplings: list[SamplingParams]) -> list[Draft | None]:
+        """The proposals of a batch's rows, row i's what ``drafters[i].propose(tokens[i], ks[i],
+        samplings[i])`` gives; a drafter whose rows can share forwards overrides it (MTP heads)."""
+        return [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, ks, samplings, strict=True)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Host-side proposal without any model work (used for free shadow checks); [] if none."""
@@ -130,5 +139,11 @@ def sample_chain(logits: mx.array, k: int, sampling: SamplingParams, step) -> Dr
         logprobs.append(lp)
         if i + 1 < k:
             logits = step(i + 1, tok.astype(mx.uint32))
+    return chain_draft(drafted, logprobs, sampling)
+
+
+def chain_draft(drafted: list[mx.array], logprobs: list[mx.array], sampling: SamplingParams) -> Draft:
+    """The Draft of a chain drawn one token at a time: DRAFTED (1,) each, LOGPROBS the (1, V)
+    processed rows they were drawn from (q, kept at temperature > 0)."""
     rows = mx.concatenate(logprobs)
     return Draft(mx.concatenate(drafted).astype(mx.uint32), None if sampling.greedy else rows, rows=rows)

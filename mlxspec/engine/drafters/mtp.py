@@ -8,11 +8,12 @@ the chain it drafts past them (feeding its own output hidden back) is trimmed af
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ...models.mtp.head import MTPHead
 from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
-from .base import Draft, Drafter, joined_rows, sample_chain
+from .base import Draft, Drafter, chain_draft, joined_rows, sample_chain
 
 ONE_PIECE = 16  # the widest verify: 16 drafts at most
 
@@ -22,6 +23,7 @@ class MTPDrafter(Drafter):
     uses_model = True
     needs_hidden = True
     probes_in_flight = True
+    drafts_together = True
 
     def __init__(self, head: MTPHead, target_nbytes: int | None = None, cost_per_token: float | None = None):
         self.head = head
@@ -115,15 +117,18 @@ class MTPDrafter(Drafter):
                 mx.eval([c.state for c in self.cache])
         return out
 
-    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
+    def _can_propose(self, tokens: list[int], k: int) -> bool:
         last = len(tokens) - 1  # tokens[last] is sampled, not yet fed to the trunk
         if k <= 0 or last <= self.pairs:
-            return None
+            return False
         rows = self._pending()
-        if rows is None or rows.shape[0] < last - self.pairs:
+        return rows is not None and rows.shape[0] >= last - self.pairs
+
+    def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
+        if not self._can_propose(tokens, k):
             return None
         # Commit the new pairs t = pairs .. last-1 (one forward), then chain k drafts.
-        hid = self._commit(tokens, last)
+        hid = self._commit(tokens, len(tokens) - 1)
         last_hidden = [hid[-1:]]  # the head's own output feeds the next chain step
 
         def step(i, tok):
@@ -136,3 +141,42 @@ class MTPDrafter(Drafter):
         # Only the chain is speculative: keep the committed pairs.
         for c in self.cache:
             c.trim(c.offset - (self.pairs - self.gap))
+
+    @classmethod
+    def propose_together(cls, drafters, tokens, ks, samplings):
+        """The rows' chains drafted as one: each row commits its new pairs to its own cache
+        (their counts differ), then one head forward a draft position serves every row, over
+        the rows' caches merged left-padded (``BatchKVCache``: each row its own RoPE offset,
+        its padding masked). Row i draws from its own rows, in the order :meth:`propose` draws,
+        and stops at its own depth (rows past theirs are fed their last token, read by no
+        one). The merged cache holds only the chains past the committed pairs and is dropped,
+        as :meth:`rollback` drops them from a row's own cache. Fewer than two rows drafting, or
+        caches that are not plain KV caches: each row's :meth:`propose`."""
+        live = [i for i, (d, t, k) in enumerate(zip(drafters, tokens, ks, strict=True)) if d._can_propose(t, k)]
+        head = drafters[live[0]].head if live else None
+        if len(live) < 2 or any(drafters[i].head is not head or any(type(c) is not KVCache for c in drafters[i].cache)
+                                for i in live):
+            return super().propose_together(drafters, tokens, ks, samplings)
+        hidden = mx.concatenate([drafters[i]._commit(tokens[i], len(tokens[i]) - 1)[-1:] for i in live])  # (B, H)
+        logits = head.logits(hidden)  # (B, V)
+        chains = [([], []) for _ in live]  # each row's drawn tokens (1,) and their rows (1, V)
+        depth, merged = max(ks[i] for i in live), None
+        for pos in range(depth):
+            fed = []
+            for j, i in enumerate(live):
+                drafted, rows = chains[j]
+                if pos < ks[i]:
+                    tok, lp = samplings[i].sample_with_logprobs(logits[j : j + 1])
+                    drafted.append(tok)
+                    rows.append(lp)
+                fed.append(drafted[-1])
+            if pos + 1 == depth:
+                break
+            if merged is None:
+                layers = zip(*(drafters[i].cache for i in live))  # each head layer's caches, row by row
+                merged = [BatchKVCache.merge(list(caches)) for caches in layers]
+            logits, hidden = head.step_rows(mx.concatenate(fed).astype(mx.uint32), hidden, merged, step=pos + 1)
+        drafts: list[Draft | None] = [None] * len(drafters)
+        for (drafted, rows), i in zip(chains, live):
+            drafts[i] = chain_draft(drafted, rows, samplings[i])
+        return drafts

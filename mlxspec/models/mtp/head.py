@@ -93,6 +93,14 @@ class MTPHead:
         out = self.forward(tokens, hidden, cache, step)
         return self.logits(out), out
 
+    def step_rows(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> tuple[mx.array, mx.array]:
+        """One pair for each of B requests: tokens (B,), hidden (B, H), CACHE their caches as one
+        batch (mlx-lm's BatchKVCache: each row its own length and RoPE offset, its padding
+        masked) -> (logits (B, V), head hidden (B, H))."""
+        assert tokens.shape[0] == hidden.shape[0], (tokens.shape, hidden.shape)
+        out = self.module(self.embed(tokens)[:, None], hidden[:, None], cache, step)[:, 0]
+        return self.logits(out), out
+
 
 def to_switch_mlp(tensors: dict) -> dict:
     """Routed experts, HF fused (``experts.gate_up_proj``) or per-expert (``experts.{e}.*``),

@@ -1,0 +1,206 @@
+"""An MTP head's rows draft together in a batch (``MTPDrafter.propose_together``): each row
+commits its own pairs, then one head forward a draft position serves every row, over the rows'
+caches merged left-padded. Each row still gives what it gives alone: its tokens and the count
+of drafts kept (the same drafts, drawn from its own stream in its own order), at temperature
+0 and seeded above it, at different depths and prompt lengths (rows stop drafting at their own
+depths; their caches differ in length). Planted bugs fail it: one RoPE offset for every row
+of the merged cache, and every row's chain fed the first row's hidden state. (Padding left
+unmasked is not among them: it changed no token or count here, its zero keys and values only
+shifting the softmax's weight a little.)
+
+And at the drafter: for a random-weight Qwen3.5, GLM-4.5 (NextN) and DeepSeek-V3 (NextN, MLA
+attention), ``propose_together`` gives each of three rows the tokens and q rows its own
+``propose`` gives, at temperature 0 and seeded 0.8; both planted merged-cache bugs (padding
+unmasked, one offset) fail it in every family.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlxspec
+import tiny
+import tiny_mtp
+from mlxspec.engine.drafters import mtp as mtp_mod
+from mlxspec.engine.drafters.mtp import MTPDrafter
+from mlxspec.engine.sampling import SamplingParams
+from mlxspec.models.mtp import load_mtp_head
+from mlxspec.models.mtp.head import MTPHead
+
+MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
+
+IMPORTS = "import os\nimport sys\nimport os\nimport"
+LISTS = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"
+REVERSE = "Write a function that reverses a string."
+ROWS = [  # every row the MTP head, at its own fixed depth: chains of different lengths a step
+    (IMPORTS, dict(temperature=0.0, depth=3, max_tokens=30)),
+    (LISTS, dict(temperature=0.8, seed=13, depth=2, max_tokens=30)),
+    (REVERSE, dict(temperature=0.6, seed=17, depth=4, max_tokens=30)),
+    ("Say hi to the people of the town.", dict(temperature=0.7, seed=23, repetition_penalty=1.3, depth=3,
+                                                max_tokens=30)),
+    # a long prompt: the other rows' caches are merged behind a hundred and more padding slots
+    (LISTS * 12, dict(temperature=0.9, seed=29, depth=2, max_tokens=30)),
+]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    s = mlxspec.load(str(MODELS / "mini-attn"))
+    s.astype("float32")
+    return s
+
+
+def outcome(spec, prompt, options):
+    """(tokens, drafts kept, drafts made) of one request served alone."""
+    r = spec.generate(prompt, reuse=False, drafter="mtp", **options)
+    return r.tokens, r.stats.accepted, r.stats.drafted
+
+
+@pytest.fixture(scope="module")
+def alone(spec):
+    return [outcome(spec, p, o) for p, o in ROWS]
+
+
+def together(spec) -> list[tuple[list[int], int, int]]:
+    """ROWS in one batch from the start: each one's (tokens, drafts kept, drafts made)."""
+    batch = spec.batch(len(ROWS))
+    streams = [spec.stream_in(batch, p, reuse=False, drafter="mtp", **o) for p, o in ROWS]
+    got, last = [[] for _ in ROWS], [None] * len(ROWS)
+    while any(s is not None for s in streams):
+        for j, stream in enumerate(streams):
+            chunk = next(stream, None) if stream is not None else None
+            if chunk is None:
+                streams[j] = None
+            else:
+                got[j].extend(chunk.tokens)
+                last[j] = chunk.stats
+    return [(g, s.accepted, s.drafted) for g, s in zip(got, last)]
+
+
+@pytest.fixture
+def widths(monkeypatch):
+    """The rows of every batched head step."""
+    seen = []
+    real = MTPHead.step_rows
+    monkeypatch.setattr(MTPHead, "step_rows", lambda self, tokens, hidden, cache, step=0: (
+        seen.append(tokens.shape[0]), real(self, tokens, hidden, cache, step))[1])
+    return seen
+
+
+def test_rows_draft_together_and_each_gives_what_it_gives_alone(spec, alone, widths):
+    assert all(a[2] > a[1] > 0 for a in alone), alone  # drafts kept and rejected, every row
+    assert together(spec) == alone
+    assert sum(w >= 3 for w in widths) >= 10, widths  # chains of three rows and more, as one forward
+
+
+def test_the_planted_one_position_for_every_row_is_caught(spec, alone, monkeypatch):
+    """PLANTED: every row of the merged cache at the longest row's position (one RoPE offset for
+    the batch, as if the rows were right-aligned in length too)."""
+    real = mtp_mod.BatchKVCache.merge
+
+    def one_offset(caches):
+        cache = real(caches)
+        cache.offset = mx.full(cache.offset.shape, cache._idx, cache.offset.dtype)
+        return cache
+
+    monkeypatch.setattr(mtp_mod.BatchKVCache, "merge", one_offset)
+    got = together(spec)
+    assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
+
+
+def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monkeypatch):
+    """PLANTED: every row's chain continues from the first row's hidden state."""
+    real = MTPHead.step_rows
+    monkeypatch.setattr(MTPHead, "step_rows", lambda self, tokens, hidden, cache, step=0: real(
+        self, tokens, mx.broadcast_to(hidden[:1], hidden.shape), cache, step))
+    got = together(spec)
+    assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
+
+
+def prefilled(model, head, prompt: list[int]) -> MTPDrafter:
+    """A drafter for PROMPT after MODEL's prefill of it (its final-norm hidden rows handed
+    over), the next token sampled: ready to propose."""
+    h = head.trunk.body(mx.array([prompt]), cache=make_prompt_cache(model))[0]
+    d = MTPDrafter(head)
+    d.start(prompt)
+    d.prefill(prompt, len(prompt), h)
+    return d
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe", "deepseek_v3"])
+def family(request, tmp_path_factory):
+    """A random tiny model of each MTP family and its head: (model, head). The Qwen block, GLM's
+    NextN layer, DeepSeek's (MLA attention), its layer in a sidecar as test_mtp_nextn keeps it."""
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_5":
+        path = tiny.write_checkpoint(out, "qwen3_5", vocab_size=38, seed=4)
+    elif request.param == "glm4_moe":
+        path = tiny_mtp.write_nextn_checkpoint(out, "glm4_moe", vocab_size=32, seed=1)
+    else:
+        path = tiny_mtp.write_nextn_checkpoint(out, "deepseek_v3", vocab_size=32, seed=2, hidden_size=32,
+                                               intermediate_size=64, moe_intermediate_size=16, q_lora_rank=16)
+        weights = mx.load(str(path / "model.safetensors"))
+        mx.eval(weights)
+        layer = {k: v for k, v in weights.items() if k.startswith("model.layers.2.")}
+        mx.save_safetensors(str(path / "model.safetensors"), {k: v for k, v in weights.items() if k not in layer},
+                            metadata={"format": "pt"})
+        mx.save_safetensors(str(path / "mtp.safetensors"), layer, metadata={"format": "pt"})
+    model, _, config = mlx_lm.load(str(path), return_config=True)
+    return model, load_mtp_head(model, path, config)
+
+
+PROMPTS = [[3, 5, 7, 9, 11], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], list(range(1, 18))]
+DEPTHS = [3, 1, 4]
+
+
+def alone_and_together(family, temperature):
+    """Three rows (prompts of 5, 11 and 17 tokens; depths 3, 1 and 4), each drafted by its own
+    propose, then again (the same start) by propose_together: (alone, together, drafters)."""
+    def rows():
+        tokens = [p + [p[-1] + 1] for p in PROMPTS]
+        samplings = [SamplingParams(temperature=temperature).for_request(seed) for seed in (1, 2, 3)]
+        return [prefilled(*family, p) for p in PROMPTS], tokens, samplings
+
+    drafters, tokens, samplings = rows()
+    alone = [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, DEPTHS, samplings)]
+    drafters, tokens, samplings = rows()
+    return alone, MTPDrafter.propose_together(drafters, tokens, DEPTHS, samplings), drafters
+
+
+def same(a, g) -> bool:
+    return a.host_tokens() == g.host_tokens() and mx.allclose(a.rows, g.rows, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_chains_drafted_together_are_each_drafted_alone(family, temperature):
+    """Each row gets the tokens and q rows its own propose gives, from the same random stream."""
+    alone, got, drafters = alone_and_together(family, temperature)
+    for a, g, k in zip(alone, got, DEPTHS):
+        assert same(a, g) and len(g) == k
+        assert (a.logprobs is None) == (g.logprobs is None) == (temperature == 0)
+    # each row's cache holds its committed pairs only: the chains went to the merged cache
+    assert [d.cache[0].offset for d in drafters] == [len(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("plant", ["unmasked padding", "one offset"])
+def test_the_planted_merged_cache_bugs_are_caught_in_every_family(family, plant, monkeypatch):
+    """PLANTED: the merged cache's padding attended; every row at the longest row's position.
+    With random weights, even the padding's zero keys move the rows."""
+    real = mtp_mod.BatchKVCache.merge
+
+    def planted(caches):
+        cache = real(caches)
+        if plant == "unmasked padding":
+            cache.left_padding = mx.zeros_like(cache.left_padding)
+        else:
+            cache.offset = mx.full(cache.offset.shape, cache._idx, cache.offset.dtype)
+        return cache
+
+    monkeypatch.setattr(mtp_mod.BatchKVCache, "merge", planted)
+    alone, got, _ = alone_and_together(family, 0.8)
+    assert not all(same(a, g) for a, g in zip(alone, got))
