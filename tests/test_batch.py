@@ -31,6 +31,7 @@ from mlxspec.engine.batch import BatchedDecoder, RowPlan
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept
 from mlxspec.errors import UsageError
+from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.options import ConstraintSpec
 from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
 
@@ -411,12 +412,18 @@ def dflash_together(spec) -> tuple[list[list[int]], list]:
     return got, stats
 
 
-def test_dflash_rows_give_what_each_request_gives_alone(dflash_spec):
+def test_dflash_rows_give_what_each_request_gives_alone(dflash_spec, monkeypatch):
     """DFlash rows drafting chains side by side, at temperature 0 and seeded > 0, each with its
-    own row of the captured layers: each request's tokens are its own (chains) alone, and the
-    drafts were kept. Planted, next test: every row given the first row's captures."""
+    own row of the captured layers, their blocks run as one forward: each request's tokens are
+    its own (chains) alone, and the drafts were kept. Planted, next test: every row given the
+    first row's captures."""
     spec, alone = dflash_spec
+    blocks = []  # the rows of each batched block forward
+    real = DFlashDraftModel.forward_rows
+    monkeypatch.setattr(DFlashDraftModel, "forward_rows", lambda self, embedded, cache, positions: (
+        blocks.append(embedded.shape[0]), real(self, embedded, cache, positions))[1])
     got, stats = dflash_together(spec)
+    assert 3 in blocks, blocks  # the three DFlash rows' blocks, as one forward
     assert got == [r.tokens for r in alone]
     assert [s.drafter for s in stats] == ["dflash", "dflash", "dflash", "pld"]
     assert all(s.accepted > 0 for s in stats[:3]), [(s.drafted, s.accepted) for s in stats]

@@ -297,9 +297,8 @@ class SteeredDFlash(DFlashDrafter):
         self.script = script
         self.tree_log: list[tuple[int, int]] = []
 
-    def block_logits(self, tokens, k):
-        logits = super().block_logits(tokens, k)
-        if logits is None or self.script.profile is None:
+    def block_rows(self, tokens, logits):
+        if self.script.profile is None:
             return logits
         return steered_rows(self.script, len(tokens), logits)
 

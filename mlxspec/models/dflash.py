@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import InvalidCheckpointError
@@ -128,16 +128,29 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, rope, cache: KVCache, position: int) -> mx.array:
+    def __call__(self, x: mx.array, rope, cache: KVCache | BatchKVCache, position: int | mx.array,
+                 mask: mx.array | None = None) -> mx.array:
+        """x (B, L, H): one block a row at positions position.. (an int, or (B,) for rows at their
+        own positions) over CACHE's context; MASK (B, 1, 1, context + L): what each row sees
+        (rows of a batch: not the padding before a shorter context)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=position)
         k, v = self.keys_values(x, rope, position)
-        if cache.keys is not None and cache.offset:
-            k = mx.concatenate([cache.keys[..., : cache.offset, :], k], axis=2)
-            v = mx.concatenate([cache.values[..., : cache.offset, :], v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)  # no mask: both ways
+        stored = context_length(cache)
+        if stored:
+            k = mx.concatenate([cache.keys[..., :stored, :], k], axis=2)
+            v = mx.concatenate([cache.values[..., :stored, :], v], axis=2)
+        # the block attends to itself both ways: no causal mask
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def context_length(cache: KVCache | BatchKVCache) -> int:
+    """Context slots CACHE holds (a batch's: its longest row's, the others left-padded)."""
+    if cache.keys is None:
+        return 0
+    return cache._idx if isinstance(cache, BatchKVCache) else cache.offset
 
 
 class DecoderLayer(nn.Module):
@@ -148,8 +161,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, rope, cache: KVCache, position: int) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), rope, cache, position)
+    def __call__(self, x: mx.array, rope, cache: KVCache | BatchKVCache, position: int | mx.array,
+                 mask: mx.array | None = None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), rope, cache, position, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -191,6 +205,21 @@ class DFlashDraftModel(nn.Module):
         h = embedded
         for layer, c in zip(self.layers, cache):
             h = layer(h, self.rope, c, position)
+        return self.norm(h)
+
+    def forward_rows(self, embedded: mx.array, cache: list[BatchKVCache], positions: mx.array) -> mx.array:
+        """Blocks of B requests at once: embedded (B, S, H), row b's at positions positions[b]..
+        (B,), CACHE their contexts merged left-padded (mlx-lm's BatchKVCache) -> final-norm
+        hidden (B, S, H). Row b sees its own context (slots from its left padding on) and its
+        whole block."""
+        assert embedded.shape[0] == positions.shape[0], (embedded.shape, positions.shape)
+        stored, rows = context_length(cache[0]), embedded.shape[0]
+        slots = mx.arange(stored + embedded.shape[1])
+        padding = cache[0].left_padding if stored else mx.zeros((rows,), mx.int32)
+        mask = (slots[None] >= padding[:, None])[:, None, None, :]  # (B, 1, 1, context + S)
+        h = embedded
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, self.rope, c, positions, mask)
         return self.norm(h)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache
 
 from ...models.dflash import DFlashDraftModel
 from ...models.trunk import split_trunk
@@ -37,6 +38,7 @@ class DFlashDrafter(Drafter):
     uses_model = True
     needs_hidden = True
     trees_by_default = True  # its block gives every position's distribution at once
+    drafts_together = True  # a batch's rows: one block forward for all (propose_together)
 
     def __init__(self, model: DFlashDraftModel, target: nn.Module, target_nbytes: int | None = None,
                  cost_per_step: float | None = None, sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW):
@@ -130,20 +132,57 @@ class DFlashDrafter(Drafter):
         (its last one not fed to the target yet), or None while the context lags (no features
         yet for some position)."""
         k = min(k, self.block - 1)
-        last = len(tokens) - 1
-        rows = self._pending()
-        have = self.position + (0 if rows is None else rows.shape[0])
-        if k <= 0 or have != last:
+        if not self._context_ready(tokens, k):
             return None
         self._commit()
-        block = mx.array([tokens[-1]] + [self.mask_id] * (self.block - 1), mx.uint32)
-        h = self.model(self.embed(block)[None], self.cache, last)
-        return self.head(h[:, 1 : k + 1])[0]
+        h = self.model(self.embed(self._block(tokens))[None], self.cache, len(tokens) - 1)
+        return self.block_rows(tokens, self.head(h[:, 1 : k + 1])[0])
+
+    def block_rows(self, tokens: list[int], logits: mx.array) -> mx.array:
+        """What block positions 1..k draft from, given the block's LOGITS (k, V) after TOKENS:
+        those logits (a bench's steered drafter puts its script's rows in their place)."""
+        return logits
+
+    def _context_ready(self, tokens: list[int], k: int) -> bool:
+        """Whether a block can follow TOKENS: the features of every position but the last one
+        are in (cached or pending)."""
+        rows = self._pending()
+        return k > 0 and self.position + (0 if rows is None else rows.shape[0]) == len(tokens) - 1
+
+    def _block(self, tokens: list[int]) -> mx.array:
+        return mx.array([tokens[-1]] + [self.mask_id] * (self.block - 1), mx.uint32)
 
     def propose(self, tokens: list[int], k: int, sampling: SamplingParams) -> Draft | None:
         logits = self.block_logits(tokens, k)
-        if logits is None:
-            return None
+        return None if logits is None else self._draft(logits, sampling)
+
+    @classmethod
+    def propose_together(cls, drafters, tokens, ks, samplings):
+        """The rows' blocks in one forward: each row adds its own pending context, then the
+        blocks run as a batch over the rows' contexts merged left-padded (each row at its own
+        positions, its padding masked); row i drafts its first ks[i] positions from its rows,
+        as :meth:`propose` does. The merged cache is dropped (a block's own keys are never
+        kept). Fewer than two rows ready, or rows of other drafter models: each :meth:`propose`."""
+        depth = [min(k, d.block - 1) for d, k in zip(drafters, ks, strict=True)]
+        live = [i for i, (d, t, k) in enumerate(zip(drafters, tokens, depth)) if d._context_ready(t, k)]
+        model = drafters[live[0]].model if live else None
+        if len(live) < 2 or any(drafters[i].model is not model for i in live):
+            return super().propose_together(drafters, tokens, ks, samplings)
+        first = drafters[live[0]]
+        for i in live:
+            drafters[i]._commit()
+        blocks = mx.stack([first._block(tokens[i]) for i in live])  # (B, S)
+        positions = mx.array([len(tokens[i]) - 1 for i in live])
+        merged = [BatchKVCache.merge(list(caches)) for caches in zip(*(drafters[i].cache for i in live))]
+        h = model.forward_rows(first.embed(blocks), merged, positions)  # (B, S, H)
+        logits = first.head(h[:, 1 : 1 + max(depth[i] for i in live)])  # (B, k, V)
+        drafts: list[Draft | None] = [None] * len(drafters)
+        for j, i in enumerate(live):
+            drafts[i] = drafters[i]._draft(drafters[i].block_rows(tokens[i], logits[j, : depth[i]]), samplings[i])
+        return drafts
+
+    def _draft(self, logits: mx.array, sampling: SamplingParams) -> Draft:
+        """The draft from the block's LOGITS (k, V): each position drawn from its own row."""
         if type(sampling) is SamplingParams:  # every position at once, each from its own q_i
             drafted, lp = sampling.sample_with_logprobs(logits)
         else:  # a chain sampler (constraint masks follow the drafts): one row at a time

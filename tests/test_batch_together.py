@@ -1,17 +1,20 @@
-"""An MTP head's rows draft together in a batch (``MTPDrafter.propose_together``): each row
-commits its own pairs, then one head forward a draft position serves every row, over the rows'
-caches merged left-padded. Each row still gives what it gives alone: its tokens and the count
-of drafts kept (the same drafts, drawn from its own stream in its own order), at temperature
-0 and seeded above it, at different depths and prompt lengths (rows stop drafting at their own
-depths; their caches differ in length). Planted bugs fail it: one RoPE offset for every row
-of the merged cache, and every row's chain fed the first row's hidden state. (Padding left
-unmasked is not among them: it changed no token or count here, its zero keys and values only
-shifting the softmax's weight a little.)
+"""A batch's rows draft together (``Drafter.propose_together``): an MTP head's rows commit
+their own pairs, then one head forward a draft position serves every row; DFlash rows run their
+blocks as one forward. Both read the rows' caches merged left-padded (each row its own length
+and RoPE positions, its padding masked) and drop the merged cache after.
 
-And at the drafter: for a random-weight Qwen3.5, GLM-4.5 (NextN) and DeepSeek-V3 (NextN, MLA
-attention), ``propose_together`` gives each of three rows the tokens and q rows its own
-``propose`` gives, at temperature 0 and seeded 0.8; both planted merged-cache bugs (padding
-unmasked, one offset) fail it in every family.
+MTP, in the engine (mini-attn, fp32): each row still gives what it gives alone, its tokens and
+the count of drafts kept (the same drafts, drawn from its own stream in its own order), at
+temperature 0 and seeded above it, at different depths and prompt lengths. Planted bugs fail
+it: one RoPE offset for every row of the merged cache, and every row's chain fed the first
+row's hidden state. (Padding left unmasked is not among them: it changed no token or count
+here, its zero keys and values only shifting the softmax's weight a little.)
+
+At the drafter: for a random-weight Qwen3.5, GLM-4.5 (NextN) and DeepSeek-V3 (NextN, MLA
+attention) head, and for mini-attn's DFlash drafter, ``propose_together`` gives each of three
+rows the tokens and q rows its own ``propose`` gives, at temperature 0 and seeded 0.8; the two
+planted merged-cache bugs (padding unmasked, one position for every row) fail it for each.
+(DFlash rows in the engine: tests/test_batch.py's DFlash tests, which count the batched blocks.)
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import mlxspec
 import tiny
 import tiny_mtp
+from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters import mtp as mtp_mod
+from mlxspec.engine.drafters.dflash import DFlashDrafter
 from mlxspec.engine.drafters.mtp import MTPDrafter
 from mlxspec.engine.sampling import SamplingParams
+from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.models.mtp import load_mtp_head
 from mlxspec.models.mtp.head import MTPHead
 
@@ -122,21 +128,38 @@ def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monk
     assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
 
 
-def prefilled(model, head, prompt: list[int]) -> MTPDrafter:
-    """A drafter for PROMPT after MODEL's prefill of it (its final-norm hidden rows handed
-    over), the next token sampled: ready to propose."""
+def mtp_row(model, head, prompt: list[int]):
+    """A head's drafter for PROMPT after MODEL's prefill of it (its final-norm hidden rows
+    handed over), the next token sampled: (drafter, the committed tokens), ready to propose."""
     h = head.trunk.body(mx.array([prompt]), cache=make_prompt_cache(model))[0]
     d = MTPDrafter(head)
     d.start(prompt)
     d.prefill(prompt, len(prompt), h)
-    return d
+    return d, prompt + [prompt[-1] + 1]
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe", "deepseek_v3"])
-def family(request, tmp_path_factory):
-    """A random tiny model of each MTP family and its head: (model, head). The Qwen block, GLM's
-    NextN layer, DeepSeek's (MLA attention), its layer in a sidecar as test_mtp_nextn keeps it."""
+def dflash_row(target, model, prompt: list[int]):
+    """A DFlash drafter after TARGET's prefill of PROMPT but its last token (the layers it reads
+    handed over): (drafter, PROMPT), ready to propose."""
+    state = ModelState(target, keep_hidden=True, capture=tuple(model.args.target_layer_ids))
+    features = state.prefill(prompt[:-1])
+    state.close()
+    d = DFlashDrafter(model, target)
+    d.start(prompt)
+    d.prefill(prompt, len(prompt) - 1, features)
+    return d, prompt
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe", "deepseek_v3", "dflash"])
+def kind(request, tmp_path_factory):
+    """(the drafter class, a function PROMPT -> (drafter, tokens)) for a random tiny model of each
+    MTP family with its head (the Qwen block, GLM's NextN layer, DeepSeek's with MLA attention,
+    its layer in a sidecar as test_mtp_nextn keeps it), and for mini-attn's DFlash drafter."""
     out = tmp_path_factory.mktemp(request.param)
+    if request.param == "dflash":
+        spec = mlxspec.load(str(MODELS / "mini-attn"), draft_model=str(MODELS / "mini-attn-DFlash"))
+        spec.astype("float32")
+        return DFlashDrafter, lambda prompt: dflash_row(spec.target.model, spec.draft.model, prompt)
     if request.param == "qwen3_5":
         path = tiny.write_checkpoint(out, "qwen3_5", vocab_size=38, seed=4)
     elif request.param == "glm4_moe":
@@ -151,25 +174,28 @@ def family(request, tmp_path_factory):
                             metadata={"format": "pt"})
         mx.save_safetensors(str(path / "mtp.safetensors"), layer, metadata={"format": "pt"})
     model, _, config = mlx_lm.load(str(path), return_config=True)
-    return model, load_mtp_head(model, path, config)
+    head = load_mtp_head(model, path, config)
+    return MTPDrafter, lambda prompt: mtp_row(model, head, prompt)
 
 
 PROMPTS = [[3, 5, 7, 9, 11], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], list(range(1, 18))]
 DEPTHS = [3, 1, 4]
 
 
-def alone_and_together(family, temperature):
+def alone_and_together(kind, temperature):
     """Three rows (prompts of 5, 11 and 17 tokens; depths 3, 1 and 4), each drafted by its own
     propose, then again (the same start) by propose_together: (alone, together, drafters)."""
+    cls, make = kind
+
     def rows():
-        tokens = [p + [p[-1] + 1] for p in PROMPTS]
+        drafters, tokens = zip(*(make(p) for p in PROMPTS))
         samplings = [SamplingParams(temperature=temperature).for_request(seed) for seed in (1, 2, 3)]
-        return [prefilled(*family, p) for p in PROMPTS], tokens, samplings
+        return list(drafters), list(tokens), samplings
 
     drafters, tokens, samplings = rows()
     alone = [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, DEPTHS, samplings)]
     drafters, tokens, samplings = rows()
-    return alone, MTPDrafter.propose_together(drafters, tokens, DEPTHS, samplings), drafters
+    return alone, cls.propose_together(drafters, tokens, DEPTHS, samplings), drafters
 
 
 def same(a, g) -> bool:
@@ -177,21 +203,21 @@ def same(a, g) -> bool:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_chains_drafted_together_are_each_drafted_alone(family, temperature):
+def test_drafts_made_together_are_each_made_alone(kind, temperature):
     """Each row gets the tokens and q rows its own propose gives, from the same random stream."""
-    alone, got, drafters = alone_and_together(family, temperature)
+    alone, got, drafters = alone_and_together(kind, temperature)
     for a, g, k in zip(alone, got, DEPTHS):
         assert same(a, g) and len(g) == k
         assert (a.logprobs is None) == (g.logprobs is None) == (temperature == 0)
-    # each row's cache holds its committed pairs only: the chains went to the merged cache
-    assert [d.cache[0].offset for d in drafters] == [len(p) for p in PROMPTS]
+    # each row's cache holds its committed context only: what was drafted went to the merged cache
+    stored = [len(p) - (kind[0] is DFlashDrafter) for p in PROMPTS]
+    assert [d.cache[0].offset for d in drafters] == stored
 
 
-@pytest.mark.parametrize("plant", ["unmasked padding", "one offset"])
-def test_the_planted_merged_cache_bugs_are_caught_in_every_family(family, plant, monkeypatch):
-    """PLANTED: the merged cache's padding attended; every row at the longest row's position.
-    With random weights, even the padding's zero keys move the rows."""
-    real = mtp_mod.BatchKVCache.merge
+@pytest.mark.parametrize("plant", ["unmasked padding", "one position"])
+def test_the_planted_merged_cache_bugs_are_caught_for_every_drafter(kind, plant, monkeypatch):
+    """PLANTED: the merged cache's padding attended; every row at the longest row's position."""
+    real = BatchKVCache.merge
 
     def planted(caches):
         cache = real(caches)
@@ -201,6 +227,10 @@ def test_the_planted_merged_cache_bugs_are_caught_in_every_family(family, plant,
             cache.offset = mx.full(cache.offset.shape, cache._idx, cache.offset.dtype)
         return cache
 
-    monkeypatch.setattr(mtp_mod.BatchKVCache, "merge", planted)
-    alone, got, _ = alone_and_together(family, 0.8)
+    monkeypatch.setattr(BatchKVCache, "merge", planted)
+    if plant == "one position" and kind[0] is DFlashDrafter:  # its positions come from the tokens
+        real_rows = DFlashDraftModel.forward_rows
+        monkeypatch.setattr(DFlashDraftModel, "forward_rows", lambda self, embedded, cache, positions: real_rows(
+            self, embedded, cache, mx.full(positions.shape, positions.max().item(), positions.dtype)))
+    alone, got, _ = alone_and_together(kind, 0.8)
     assert not all(same(a, g) for a, g in zip(alone, got))
