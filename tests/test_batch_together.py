@@ -37,6 +37,7 @@ from mlxspec.engine.sampling import SamplingParams
 from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.models.mtp import load_mtp_head
 from mlxspec.models.mtp.head import MTPHead
+from mlxspec.options import ConstraintSpec
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
@@ -51,6 +52,9 @@ ROWS = [  # every row the MTP head, at its own fixed depth: chains of different 
                                                 max_tokens=30)),
     # a long prompt: the other rows' caches are merged behind a hundred and more padding slots
     (LISTS * 12, dict(temperature=0.9, seed=29, depth=2, max_tokens=30)),
+    # a constraint: each chain draw masked to the language after the row's own draws so far
+    (REVERSE, dict(temperature=0.5, seed=31, depth=3, max_tokens=20,
+                   constraint=ConstraintSpec("regex", "[a-z ]{4,60}\\.")))
 ]
 
 
@@ -99,7 +103,8 @@ def widths(monkeypatch):
 
 
 def test_rows_draft_together_and_each_gives_what_it_gives_alone(spec, alone, widths):
-    assert all(a[2] > a[1] > 0 for a in alone), alone  # drafts kept and rejected, every row
+    assert all(a[2] > a[1] > 0 for a in alone[:-1]), alone  # drafts kept and rejected, every row
+    assert alone[-1][2] > 0, alone  # the constrained row drafted (its drafts were not kept)
     assert together(spec) == alone
     assert sum(w >= 3 for w in widths) >= 10, widths  # chains of three rows and more, as one forward
 
