@@ -1,19 +1,20 @@
 """A batch's rows draft together (``Drafter.propose_together``): an MTP head's rows commit
-their own pairs, then one head forward a draft position serves every row; DFlash rows run their
-blocks as one forward. Both read the rows' caches merged left-padded (each row its own length
+their new pairs in one forward (pads after a shorter row's, rolled back out), then one head
+forward a draft position serves every row; DFlash rows run their blocks as one forward. Both read the rows' caches merged left-padded (each row its own length
 and RoPE positions, its padding masked) and drop the merged cache after.
 
 MTP, in the engine (mini-attn, fp32): each row still gives what it gives alone, its tokens and
 the count of drafts kept (the same drafts, drawn from its own stream in its own order), at
 temperature 0 and seeded above it, at different depths and prompt lengths. Planted bugs fail
-it: one RoPE offset for every row of the merged cache, and every row's chain fed the first
-row's hidden state. (Padding left unmasked is not among them: it changed no token or count
+it: one RoPE offset for every row of the merged cache, a commit's pads left in it, and every
+row's chain fed the first row's hidden state. (Padding left unmasked is not among them: it changed no token or count
 here, its zero keys and values only shifting the softmax's weight a little.)
 
 At the drafter: for a random-weight Qwen3.5, GLM-4.5 (NextN) and DeepSeek-V3 (NextN, MLA
 attention) head, and for mini-attn's DFlash drafter, ``propose_together`` gives each of three
-rows the tokens and q rows its own ``propose`` gives, at temperature 0 and seeded 0.8; the two
-planted merged-cache bugs (padding unmasked, one position for every row) fail it for each.
+rows the tokens and q rows its own ``propose`` gives (MTP rows committing 1, 2 and 3 pairs
+first), at temperature 0 and seeded 0.8; the planted merged-cache bugs (padding unmasked, one
+position for every row, a commit's pads kept) fail it for each.
 (DFlash rows in the engine: tests/test_batch.py's DFlash tests, which count the batched blocks.)
 """
 
@@ -94,11 +95,11 @@ def together(spec) -> list[tuple[list[int], int, int]]:
 
 @pytest.fixture
 def widths(monkeypatch):
-    """The rows of every batched head step."""
+    """(rows, pairs a row) of every batched head forward."""
     seen = []
-    real = MTPHead.step_rows
-    monkeypatch.setattr(MTPHead, "step_rows", lambda self, tokens, hidden, cache, step=0: (
-        seen.append(tokens.shape[0]), real(self, tokens, hidden, cache, step))[1])
+    real = MTPHead.forward_rows
+    monkeypatch.setattr(MTPHead, "forward_rows", lambda self, tokens, hidden, cache, step=0: (
+        seen.append(tuple(tokens.shape)), real(self, tokens, hidden, cache, step))[1])
     return seen
 
 
@@ -106,7 +107,8 @@ def test_rows_draft_together_and_each_gives_what_it_gives_alone(spec, alone, wid
     assert all(a[2] > a[1] > 0 for a in alone[:-1]), alone  # drafts kept and rejected, every row
     assert alone[-1][2] > 0, alone  # the constrained row drafted (its drafts were not kept)
     assert together(spec) == alone
-    assert sum(w >= 3 for w in widths) >= 10, widths  # chains of three rows and more, as one forward
+    assert sum(b >= 3 for b, _ in widths) >= 10, widths  # three rows and more, as one forward
+    assert sum(w > 1 for _, w in widths) >= 5, widths  # commits of several pairs a row (pads after shorter ones)
 
 
 def test_the_planted_one_position_for_every_row_is_caught(spec, alone, monkeypatch):
@@ -124,6 +126,12 @@ def test_the_planted_one_position_for_every_row_is_caught(spec, alone, monkeypat
     assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
 
 
+def test_the_planted_commit_pads_kept_are_caught(spec, alone, monkeypatch):
+    """PLANTED: the pads after a row's shorter commit stay in the merged cache its chain reads."""
+    monkeypatch.setattr(mtp_mod, "roll_rows", lambda layers, shifts: None)
+    assert together(spec) != alone
+
+
 def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monkeypatch):
     """PLANTED: every row's chain continues from the first row's hidden state."""
     real = MTPHead.step_rows
@@ -135,11 +143,13 @@ def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monk
 
 def mtp_row(model, head, prompt: list[int]):
     """A head's drafter for PROMPT after MODEL's prefill of it (its final-norm hidden rows
-    handed over), the next token sampled: (drafter, the committed tokens), ready to propose."""
+    handed over), the next token sampled: (drafter, the committed tokens), ready to propose.
+    Its last len(PROMPT) // 5 pairs are left pending, as after a verify that kept drafts: the
+    rows of PROMPTS then commit 1, 2 and 3 pairs before they draft."""
     h = head.trunk.body(mx.array([prompt]), cache=make_prompt_cache(model))[0]
     d = MTPDrafter(head)
     d.start(prompt)
-    d.prefill(prompt, len(prompt), h)
+    d.prefill(prompt, len(prompt) - len(prompt) // 5 + 1, h)
     return d, prompt + [prompt[-1] + 1]
 
 
@@ -214,21 +224,27 @@ def test_drafts_made_together_are_each_made_alone(kind, temperature):
     for a, g, k in zip(alone, got, DEPTHS):
         assert same(a, g) and len(g) == k
         assert (a.logprobs is None) == (g.logprobs is None) == (temperature == 0)
-    # each row's cache holds its committed context only: what was drafted went to the merged cache
+    # each row's cache holds its committed context only (MTP: every pair, those committed
+    # together too): what was drafted went to the merged cache
     stored = [len(p) - (kind[0] is DFlashDrafter) for p in PROMPTS]
     assert [d.cache[0].offset for d in drafters] == stored
 
 
-@pytest.mark.parametrize("plant", ["unmasked padding", "one position"])
+@pytest.mark.parametrize("plant", ["unmasked padding", "one position", "commit pads kept"])
 def test_the_planted_merged_cache_bugs_are_caught_for_every_drafter(kind, plant, monkeypatch):
-    """PLANTED: the merged cache's padding attended; every row at the longest row's position."""
+    """PLANTED: the merged cache's padding attended; every row at the longest row's position;
+    (MTP) the pads after a row's shorter commit left in the merged cache the chain reads."""
+    if plant == "commit pads kept":
+        if kind[0] is DFlashDrafter:
+            pytest.skip("a DFlash block commits nothing")
+        monkeypatch.setattr(mtp_mod, "roll_rows", lambda layers, shifts: None)
     real = BatchKVCache.merge
 
     def planted(caches):
         cache = real(caches)
         if plant == "unmasked padding":
             cache.left_padding = mx.zeros_like(cache.left_padding)
-        else:
+        elif plant == "one position":
             cache.offset = mx.full(cache.offset.shape, cache._idx, cache.offset.dtype)
         return cache
 

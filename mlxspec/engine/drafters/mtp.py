@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ...models.mtp.head import MTPHead
+from ..batch_cache import roll_rows
 from ..cache import model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, chain_draft, joined_rows, sample_chain
@@ -144,8 +145,8 @@ class MTPDrafter(Drafter):
 
     @classmethod
     def propose_together(cls, drafters, tokens, ks, samplings):
-        """The rows' chains drafted as one: each row commits its new pairs to its own cache
-        (their counts differ), then one head forward a draft position serves every row, over
+        """The rows' chains drafted as one: the rows' new pairs committed in one forward
+        (:func:`commit_rows`), then one head forward a draft position serves every row, over
         the rows' caches merged left-padded (``BatchKVCache``: each row its own RoPE offset,
         its padding masked). Row i draws from its own rows, in the order :meth:`propose` draws,
         and stops at its own depth (rows past theirs are fed their last token, read by no
@@ -157,10 +158,11 @@ class MTPDrafter(Drafter):
         if len(live) < 2 or any(drafters[i].head is not head or any(type(c) is not KVCache for c in drafters[i].cache)
                                 for i in live):
             return super().propose_together(drafters, tokens, ks, samplings)
-        hidden = mx.concatenate([drafters[i]._commit(tokens[i], len(tokens[i]) - 1)[-1:] for i in live])  # (B, H)
+        rows = [drafters[i] for i in live]
+        hidden, merged = commit_rows(rows, [tokens[i] for i in live])  # (B, H), the merged caches or None
         logits = head.logits(hidden)  # (B, V)
         chains = [([], []) for _ in live]  # each row's drawn tokens (1,) and their rows (1, V)
-        depth, merged = max(ks[i] for i in live), None
+        depth = max(ks[i] for i in live)
         for pos in range(depth):
             fed = []
             for j, i in enumerate(live):
@@ -173,10 +175,48 @@ class MTPDrafter(Drafter):
             if pos + 1 == depth:
                 break
             if merged is None:
-                layers = zip(*(drafters[i].cache for i in live))  # each head layer's caches, row by row
-                merged = [BatchKVCache.merge(list(caches)) for caches in layers]
+                merged = merge_rows(rows)
             logits, hidden = head.step_rows(mx.concatenate(fed).astype(mx.uint32), hidden, merged, step=pos + 1)
         drafts: list[Draft | None] = [None] * len(drafters)
         for (drafted, rows), i in zip(chains, live):
             drafts[i] = chain_draft(drafted, rows, samplings[i])
         return drafts
+
+
+def merge_rows(drafters: list[MTPDrafter]) -> list[BatchKVCache]:
+    """The DRAFTERS' head caches as one batch, layer by layer: a copy, left-padded."""
+    return [BatchKVCache.merge(list(caches)) for caches in zip(*(d.cache for d in drafters))]
+
+
+def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx.array, list[BatchKVCache] | None]:
+    """Commit each row's new pairs t = pairs .. len(tokens) - 2 (n_i of them, n_i >= 1) in one
+    head forward of width W = max n_i over the rows' caches merged: row i feeds its n_i pairs
+    then W - n_i pads. Its n_i new entries go to its own cache (a copy of theirs); in the
+    merged one its pads are rolled back out (``roll_rows``, as the target's batch rolls back
+    a verify's junk), so the chain drafts on it next. Returns (each row's head hidden of its
+    last pair (B, H), the merged caches). Rows with more than ONE_PIECE pairs pending (after
+    a prompt or plain decoding): each commits alone, in its pieces; no merged cache (None)."""
+    counts = [len(t) - 1 - d.pairs for d, t in zip(drafters, tokens, strict=True)]
+    assert min(counts) >= 1, counts
+    if max(counts) > ONE_PIECE:
+        return mx.concatenate([d._commit(t, len(t) - 1)[-1:] for d, t in zip(drafters, tokens)]), None
+    width = max(counts)
+    pending = [d._pending() for d in drafters]
+    inputs = mx.array([t[d.pairs + 1 : d.pairs + 1 + n] + [t[-1]] * (width - n)
+                       for d, t, n in zip(drafters, tokens, counts)], mx.uint32)  # (B, W)
+    hidden = mx.stack([mx.pad(p[:n], [(0, width - n), (0, 0)]) for p, n in zip(pending, counts)])  # (B, W, H)
+    merged = merge_rows(drafters)
+    layer = merged[0]  # a commit runs the head's first layer (step 0), as _commit does
+    start = layer._idx
+    out = drafters[0].head.forward_rows(inputs, hidden, merged)  # (B, W, H)
+    for j, (d, n) in enumerate(zip(drafters, counts)):
+        d.cache[0].update_and_fetch(layer.keys[j : j + 1, :, start : start + n],
+                                    layer.values[j : j + 1, :, start : start + n])
+        d.pairs += n
+        d._rows = [pending[j][n:]] if pending[j].shape[0] > n else []
+    junk = [width - n for n in counts]
+    if min(junk):
+        layer.trim(min(junk))
+    if max(junk) > min(junk):
+        roll_rows([layer], [j - min(junk) for j in junk])
+    return out[mx.arange(len(drafters)), mx.array(counts) - 1], merged

@@ -93,12 +93,17 @@ class MTPHead:
         out = self.forward(tokens, hidden, cache, step)
         return self.logits(out), out
 
+    def forward_rows(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> mx.array:
+        """W pairs for each of B requests: tokens (B, W), hidden (B, W, H), CACHE their caches as
+        one batch (mlx-lm's BatchKVCache: each row its own length and RoPE offset, its padding
+        masked) -> the head's hidden (B, W, H)."""
+        assert tokens.shape == hidden.shape[:2], (tokens.shape, hidden.shape)
+        return self.module(self.embed(tokens), hidden, cache, step)
+
     def step_rows(self, tokens: mx.array, hidden: mx.array, cache, step: int = 0) -> tuple[mx.array, mx.array]:
-        """One pair for each of B requests: tokens (B,), hidden (B, H), CACHE their caches as one
-        batch (mlx-lm's BatchKVCache: each row its own length and RoPE offset, its padding
-        masked) -> (logits (B, V), head hidden (B, H))."""
-        assert tokens.shape[0] == hidden.shape[0], (tokens.shape, hidden.shape)
-        out = self.module(self.embed(tokens)[:, None], hidden[:, None], cache, step)[:, 0]
+        """One pair for each of B requests (:meth:`forward_rows`): tokens (B,), hidden (B, H) ->
+        (logits (B, V), head hidden (B, H))."""
+        out = self.forward_rows(tokens[:, None], hidden[:, None], cache, step)[:, 0]
         return self.logits(out), out
 
 
