@@ -1,7 +1,8 @@
 """A batch's rows draft together (``Drafter.propose_together``): an MTP head's rows commit
 their new pairs in one forward (pads after a shorter row's, rolled back out), then one head
-forward a draft position serves every row; DFlash rows run their blocks as one forward. Both read the rows' caches merged left-padded (each row its own length
-and RoPE positions, its padding masked) and drop the merged cache after.
+forward a draft position serves every row; DFlash rows run their blocks as one forward. Both
+read the rows' caches merged left-padded (each row its own length and RoPE positions, its
+padding masked) and drop the merged cache after.
 
 MTP, in the engine (mini-attn, fp32): each row still gives what it gives alone, its tokens and
 the count of drafts kept (the same drafts, drawn from its own stream in its own order), at

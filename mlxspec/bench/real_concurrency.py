@@ -190,10 +190,12 @@ class ConcurrencyBench:
         return [batch.add(s.prompt, sampling=SamplingParams(0.0), max_tokens=max_tokens, stop_tokens=set(),
                           plan=RowPlan.of(self.decoder(workload, s, drafter))).updates() for s in scripts]
 
-    def _batched(self, workload: str, scripts, drafter: bool) -> Run:
+    def _batched(self, workload: str, scripts, drafter: bool, together: bool = True) -> Run:
+        """SCRIPTS as rows of one batch; TOGETHER false: the rows draft one by one
+        (benchmarks/diag_batch_drafting.py times the difference)."""
         from ..engine.batch import BatchedDecoder
 
-        batch = BatchedDecoder(self.model, len(scripts))
+        batch = BatchedDecoder(self.model, len(scripts), draft_together=together)
         t0 = time.perf_counter()
         updates = self.add_rows(batch, workload, scripts, drafter, self.max_tokens)
         tokens = [[] for _ in scripts]

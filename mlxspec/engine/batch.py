@@ -21,7 +21,7 @@ and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape it
 Drafters: prompt lookup, none, an MTP head, a draft model and DFlash (chains): each row has
 its own drafter instance (its own head, draft-model or block-drafter cache, B = 1; an MTP head
 gets its row of the batched forward's hidden states, DFlash its row of the layers it reads,
-captured over the batch). Rows whose drafter ``drafts_together`` (MTP heads) hand in a wish
+captured over the batch). Rows whose drafter ``drafts_together`` (MTP heads, DFlash) hand in a wish
 from :meth:`Row.plan` and are drafted in one call after every row has planned: the heads'
 chains then share one forward a draft position (``MTPDrafter.propose_together``). The
 Gemma-4 assistant (it reads the target's own cache) and draft trees are served alone
@@ -121,16 +121,18 @@ def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.a
     return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
 
 
-def draft_together(rows: Sequence[Row], plans: list[Step]) -> list[Step]:
+def draft_together(rows: Sequence[Row], plans: list[Step], together: bool = True) -> list[Step]:
     """PLANS with each wish drafted: the rows wishing with one kind of drafter in one
-    ``propose_together`` call (an MTP head's chains share their forwards)."""
+    ``propose_together`` call (an MTP head's chains share their forwards); TOGETHER false:
+    each row's own ``propose`` (the same drafts; to time what drafting together saves)."""
     kinds: dict[type, list[int]] = {}
     for i, p in enumerate(plans):
         if p.wish is not None:
             kinds.setdefault(type(rows[i].drafter), []).append(i)
     plans = list(plans)
     for kind, idx in kinds.items():
-        drafts = kind.propose_together([rows[i].drafter for i in idx], [rows[i].tokens for i in idx],
+        propose = kind.propose_together if together else Drafter.propose_together
+        drafts = propose([rows[i].drafter for i in idx], [rows[i].tokens for i in idx],
                                        [plans[i].wish[0] for i in idx], [plans[i].wish[1] for i in idx])
         for i, draft in zip(idx, drafts, strict=True):
             plans[i] = Step() if draft is None else Step(draft, drafted=len(draft))
@@ -283,12 +285,13 @@ class Row:
 class BatchedDecoder:
     """Rows join (:meth:`add`) and leave between steps; :meth:`step` advances them all."""
 
-    def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512):
+    def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512, draft_together: bool = True):
         if max_rows < 1:
             raise UsageError(f"a batch needs at least one row (got {max_rows})")
         self.model = model
         self.max_rows = max_rows
         self.prefill_step = prefill_step
+        self.draft_together = draft_together  # rows draft in one call (draft_together); False: one by one
         self.cache = RaggedCache(model)
         self._captures: dict[tuple, LayerCapture] = {}  # per set of layers rows read (DFlash)
         self.rows: list[Row] = []  # in the cache's row order
@@ -404,7 +407,7 @@ class BatchedDecoder:
             together = True  # its tokens were sampled on the device, one (B, 1) array
             n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens
         else:
-            plans = draft_together(rows, [r.plan() for r in rows])
+            plans = draft_together(rows, [r.plan() for r in rows], self.draft_together)
             mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
             plans = [r.read(p) for r, p in zip(rows, plans)]
             width = 1 + max(len(p.host) for p in plans)
