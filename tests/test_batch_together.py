@@ -78,9 +78,10 @@ def alone(spec):
     return [outcome(spec, p, o) for p, o in ROWS]
 
 
-def together(spec) -> list[tuple[list[int], int, int]]:
+def together(spec, draft_together: bool = True) -> list[tuple[list[int], int, int]]:
     """ROWS in one batch from the start: each one's (tokens, drafts kept, drafts made)."""
     batch = spec.batch(len(ROWS))
+    batch.draft_together = draft_together
     streams = [spec.stream_in(batch, p, reuse=False, drafter="mtp", **o) for p, o in ROWS]
     got, last = [[] for _ in ROWS], [None] * len(ROWS)
     while any(s is not None for s in streams):
@@ -110,6 +111,13 @@ def test_rows_draft_together_and_each_gives_what_it_gives_alone(spec, alone, wid
     assert together(spec) == alone
     assert sum(b >= 3 for b, _ in widths) >= 10, widths  # three rows and more, as one forward
     assert sum(w > 1 for _, w in widths) >= 5, widths  # commits of several pairs a row (pads after shorter ones)
+
+
+def test_rows_told_to_draft_apart_draft_one_by_one(spec, alone, widths):
+    """``draft_together=False`` (what benchmarks/diag_batch_drafting.py compares with): no head
+    forward serves several rows, and each row still gives what it gives alone."""
+    assert together(spec, draft_together=False) == alone
+    assert not widths
 
 
 def test_the_planted_one_position_for_every_row_is_caught(spec, alone, monkeypatch):
