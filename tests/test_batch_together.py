@@ -150,15 +150,15 @@ def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monk
     assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
 
 
-def mtp_row(model, head, prompt: list[int]):
+def mtp_row(model, head, prompt: list[int], pending: int | None = None):
     """A head's drafter for PROMPT after MODEL's prefill of it (its final-norm hidden rows
     handed over), the next token sampled: (drafter, the committed tokens), ready to propose.
-    Its last len(PROMPT) // 5 pairs are left pending, as after a verify that kept drafts: the
-    rows of PROMPTS then commit 1, 2 and 3 pairs before they draft."""
+    PENDING pairs (default len(PROMPT) // 5) are left to commit, as after a verify that kept
+    drafts: the rows of PROMPTS then commit 1, 2 and 3 pairs before they draft."""
     h = head.trunk.body(mx.array([prompt]), cache=make_prompt_cache(model))[0]
     d = MTPDrafter(head)
     d.start(prompt)
-    d.prefill(prompt, len(prompt) - len(prompt) // 5 + 1, h)
+    d.prefill(prompt, len(prompt) + 1 - (len(prompt) // 5 if pending is None else pending), h)
     return d, prompt + [prompt[-1] + 1]
 
 
@@ -199,7 +199,7 @@ def kind(request, tmp_path_factory):
         mx.save_safetensors(str(path / "mtp.safetensors"), layer, metadata={"format": "pt"})
     model, _, config = mlx_lm.load(str(path), return_config=True)
     head = load_mtp_head(model, path, config)
-    return MTPDrafter, lambda prompt: mtp_row(model, head, prompt)
+    return MTPDrafter, lambda prompt, **kw: mtp_row(model, head, prompt, **kw)
 
 
 PROMPTS = [[3, 5, 7, 9, 11], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22], list(range(1, 18))]
@@ -264,3 +264,24 @@ def test_the_planted_merged_cache_bugs_are_caught_for_every_drafter(kind, plant,
             self, embedded, cache, mx.full(positions.shape, positions.max().item(), positions.dtype)))
     alone, got, _ = alone_and_together(kind, 0.8)
     assert not all(same(a, g) for a, g in zip(alone, got))
+
+
+def test_a_row_with_many_pairs_pending_commits_in_pieces_and_drafts_with_the_others(kind):
+    """A row that decoded plainly for a while has more pairs to commit than one forward takes
+    (ONE_PIECE): the rows then commit alone, in pieces, and still draft together."""
+    cls, make = kind
+    if cls is not MTPDrafter:
+        pytest.skip("a DFlash block commits nothing")
+    prompts = [[(7 * i) % 30 + 1 for i in range(40)], [3, 5, 7, 9, 11, 13]]
+
+    def rows():
+        made = [make(prompts[0], pending=mtp_mod.ONE_PIECE + 5), make(prompts[1])]
+        return [d for d, _ in made], [t for _, t in made], [SamplingParams(0.8).for_request(s) for s in (4, 5)]
+
+    drafters, tokens, samplings = rows()
+    assert len(tokens[0]) - 1 - drafters[0].pairs == mtp_mod.ONE_PIECE + 5
+    alone = [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, (3, 2), samplings)]
+    drafters, tokens, samplings = rows()
+    got = cls.propose_together(drafters, tokens, [3, 2], samplings)
+    assert all(same(a, g) for a, g in zip(alone, got))
+    assert [d.pairs for d in drafters] == [len(t) - 1 for t in tokens]

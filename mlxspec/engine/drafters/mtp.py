@@ -158,28 +158,28 @@ class MTPDrafter(Drafter):
         if len(live) < 2 or any(drafters[i].head is not head or any(type(c) is not KVCache for c in drafters[i].cache)
                                 for i in live):
             return super().propose_together(drafters, tokens, ks, samplings)
-        rows = [drafters[i] for i in live]
-        hidden, merged = commit_rows(rows, [tokens[i] for i in live])  # (B, H), the merged caches or None
+        ready = [drafters[i] for i in live]
+        hidden, merged = commit_rows(ready, [tokens[i] for i in live])  # (B, H), the merged caches or None
         logits = head.logits(hidden)  # (B, V)
         chains = [([], []) for _ in live]  # each row's drawn tokens (1,) and their rows (1, V)
         depth = max(ks[i] for i in live)
         for pos in range(depth):
             fed = []
             for j, i in enumerate(live):
-                drafted, rows = chains[j]
+                drafted, qs = chains[j]
                 if pos < ks[i]:
                     tok, lp = samplings[i].sample_with_logprobs(logits[j : j + 1])
                     drafted.append(tok)
-                    rows.append(lp)
+                    qs.append(lp)
                 fed.append(drafted[-1])
             if pos + 1 == depth:
                 break
             if merged is None:
-                merged = merge_rows(rows)
+                merged = merge_rows(ready)
             logits, hidden = head.step_rows(mx.concatenate(fed).astype(mx.uint32), hidden, merged, step=pos + 1)
         drafts: list[Draft | None] = [None] * len(drafters)
-        for (drafted, rows), i in zip(chains, live):
-            drafts[i] = chain_draft(drafted, rows, samplings[i])
+        for (drafted, qs), i in zip(chains, live):
+            drafts[i] = chain_draft(drafted, qs, samplings[i])
         return drafts
 
 
