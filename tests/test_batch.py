@@ -26,7 +26,7 @@ import pytest
 
 import mlxspec
 from mlxspec.engine import batch as batch_mod
-from mlxspec.engine import batch_cache
+from mlxspec.engine import batch_cache, batch_step
 from mlxspec.engine.batch import BatchedDecoder, RowPlan
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams, accept
@@ -427,7 +427,10 @@ def test_dflash_rows_give_what_each_request_gives_alone(dflash_spec, monkeypatch
     assert got == [r.tokens for r in alone]
     assert [s.drafter for s in stats] == ["dflash", "dflash", "dflash", "pld"]
     assert all(s.accepted > 0 for s in stats[:3]), [(s.drafted, s.accepted) for s in stats]
-    assert [s.accepted for s in stats[:3]] == [r.stats.accepted for r in alone[:3]]
+    # the seeded rows keep what they keep alone; the greedy one may draft and keep more (it
+    # drafts into the deepest row's block: tests/test_batch_together.py)
+    assert [s.accepted for s in stats[1:3]] == [r.stats.accepted for r in alone[1:3]]
+    assert stats[0].accepted >= alone[0].stats.accepted
 
 
 def test_the_planted_first_rows_captures_for_all_dflash_rows_are_caught(dflash_spec, monkeypatch):
@@ -520,7 +523,7 @@ def test_each_row_samples_its_own_exact_distribution(vocab8, monkeypatch):
             rejected[n_acc.item() + 1] += 1
         return n_acc, out
 
-    monkeypatch.setattr(batch_mod, "accept", spy)
+    monkeypatch.setattr(batch_step, "accept", spy)
     counts = draw_rows(model, N, 1000)
     assert min(rejected[i] for i in (1, 2, 3)) >= 10, rejected  # residuals drawn at every position
     for kind, probs in exact.items():

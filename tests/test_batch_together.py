@@ -4,19 +4,21 @@ forward a draft position serves every row; DFlash rows run their blocks as one f
 read the rows' caches merged left-padded (each row its own length and RoPE positions, its
 padding masked) and drop the merged cache after.
 
-MTP, in the engine (mini-attn, fp32): each row still gives what it gives alone, its tokens and
-the count of drafts kept (the same drafts, drawn from its own stream in its own order), at
-temperature 0 and seeded above it, at different depths and prompt lengths. Planted bugs fail
-it: one RoPE offset for every row of the merged cache, a commit's pads left in it, and every
-row's chain fed the first row's hidden state. (Padding left unmasked is not among them: it changed no token or count
-here, its zero keys and values only shifting the softmax's weight a little.)
-
 At the drafter: for a random-weight Qwen3.5, GLM-4.5 (NextN) and DeepSeek-V3 (NextN, MLA
 attention) head, and for mini-attn's DFlash drafter, ``propose_together`` gives each of three
 rows the tokens and q rows its own ``propose`` gives (MTP rows committing 1, 2 and 3 pairs
-first), at temperature 0 and seeded 0.8; the planted merged-cache bugs (padding unmasked, one
-position for every row, a commit's pads kept) fail it for each.
-(DFlash rows in the engine: tests/test_batch.py's DFlash tests, which count the batched blocks.)
+first, or one row more than a forward takes), at temperature 0 and seeded 0.8. Planted bugs
+fail it for each: the merged cache's padding unmasked, one position for every row, (MTP) a
+commit's pads kept, every row's chain fed the first row's hidden state.
+
+In the engine (mini-attn, fp32), MTP rows at different depths and prompt lengths, temperature 0,
+seeded above it, one constrained: each row gives its tokens alone, and a sampling row its
+counts of drafts made and kept too (the same drafts, drawn from its own stream in its own order).
+
+Pads (engine/batch_step.py): a greedy row whose rows nothing reads drafts on into positions the
+step computes anyway (prompt lookup to the step's width, an MTP head as deep as the deepest
+chain): its tokens stay its own alone, it makes and keeps more drafts, and seeded rows draft
+exactly as alone (planted: seeded rows filling their pads give other tokens).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 import mlxspec
 import tiny
 import tiny_mtp
+from mlxspec.engine import batch_step
 from mlxspec.engine.cache import ModelState
 from mlxspec.engine.drafters import mtp as mtp_mod
 from mlxspec.engine.drafters.dflash import DFlashDrafter
@@ -67,9 +70,9 @@ def spec():
     return s
 
 
-def outcome(spec, prompt, options):
+def outcome(spec, prompt, options, drafter="mtp"):
     """(tokens, drafts kept, drafts made) of one request served alone."""
-    r = spec.generate(prompt, reuse=False, drafter="mtp", **options)
+    r = spec.generate(prompt, reuse=False, drafter=drafter, **options)
     return r.tokens, r.stats.accepted, r.stats.drafted
 
 
@@ -105,10 +108,16 @@ def widths(monkeypatch):
     return seen
 
 
+def same_as_alone(got, alone) -> list[bool]:
+    """Per row of ROWS: its tokens alone, and for the rows that sample (all but the first, greedy
+    one, which drafts into the pads: below) its counts of drafts made and kept too."""
+    return [g == a if i else g[0] == a[0] for i, (g, a) in enumerate(zip(got, alone))]
+
+
 def test_rows_draft_together_and_each_gives_what_it_gives_alone(spec, alone, widths):
     assert all(a[2] > a[1] > 0 for a in alone[:-1]), alone  # drafts kept and rejected, every row
     assert alone[-1][2] > 0, alone  # the constrained row drafted (its drafts were not kept)
-    assert together(spec) == alone
+    assert all(same_as_alone(together(spec), alone))
     assert sum(b >= 3 for b, _ in widths) >= 10, widths  # three rows and more, as one forward
     assert sum(w > 1 for _, w in widths) >= 5, widths  # commits of several pairs a row (pads after shorter ones)
 
@@ -118,36 +127,6 @@ def test_rows_told_to_draft_apart_draft_one_by_one(spec, alone, widths):
     forward serves several rows, and each row still gives what it gives alone."""
     assert together(spec, draft_together=False) == alone
     assert not widths
-
-
-def test_the_planted_one_position_for_every_row_is_caught(spec, alone, monkeypatch):
-    """PLANTED: every row of the merged cache at the longest row's position (one RoPE offset for
-    the batch, as if the rows were right-aligned in length too)."""
-    real = mtp_mod.BatchKVCache.merge
-
-    def one_offset(caches):
-        cache = real(caches)
-        cache.offset = mx.full(cache.offset.shape, cache._idx, cache.offset.dtype)
-        return cache
-
-    monkeypatch.setattr(mtp_mod.BatchKVCache, "merge", one_offset)
-    got = together(spec)
-    assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
-
-
-def test_the_planted_commit_pads_kept_are_caught(spec, alone, monkeypatch):
-    """PLANTED: the pads after a row's shorter commit stay in the merged cache its chain reads."""
-    monkeypatch.setattr(mtp_mod, "roll_rows", lambda layers, shifts: None)
-    assert together(spec) != alone
-
-
-def test_the_planted_first_rows_hidden_for_every_row_is_caught(spec, alone, monkeypatch):
-    """PLANTED: every row's chain continues from the first row's hidden state."""
-    real = MTPHead.step_rows
-    monkeypatch.setattr(MTPHead, "step_rows", lambda self, tokens, hidden, cache, step=0: real(
-        self, tokens, mx.broadcast_to(hidden[:1], hidden.shape), cache, step))
-    got = together(spec)
-    assert sum(g != a for g, a in zip(got, alone)) >= 2, (got, alone)
 
 
 def mtp_row(model, head, prompt: list[int], pending: int | None = None):
@@ -239,14 +218,19 @@ def test_drafts_made_together_are_each_made_alone(kind, temperature):
     assert [d.cache[0].offset for d in drafters] == stored
 
 
-@pytest.mark.parametrize("plant", ["unmasked padding", "one position", "commit pads kept"])
+@pytest.mark.parametrize("plant", ["unmasked padding", "one position", "commit pads kept", "first row's hidden"])
 def test_the_planted_merged_cache_bugs_are_caught_for_every_drafter(kind, plant, monkeypatch):
     """PLANTED: the merged cache's padding attended; every row at the longest row's position;
-    (MTP) the pads after a row's shorter commit left in the merged cache the chain reads."""
+    (MTP) the pads after a row's shorter commit left in the merged cache the chain reads; every
+    row's chain continued from the first row's hidden state."""
+    if plant in ("commit pads kept", "first row's hidden") and kind[0] is DFlashDrafter:
+        pytest.skip("a DFlash block commits nothing and feeds no hidden state back")
     if plant == "commit pads kept":
-        if kind[0] is DFlashDrafter:
-            pytest.skip("a DFlash block commits nothing")
         monkeypatch.setattr(mtp_mod, "roll_rows", lambda layers, shifts: None)
+    if plant == "first row's hidden":
+        real_step = MTPHead.step_rows
+        monkeypatch.setattr(MTPHead, "step_rows", lambda self, tokens, hidden, cache, step=0: real_step(
+            self, tokens, mx.broadcast_to(hidden[:1], hidden.shape), cache, step))
     real = BatchKVCache.merge
 
     def planted(caches):
@@ -285,3 +269,55 @@ def test_a_row_with_many_pairs_pending_commits_in_pieces_and_drafts_with_the_oth
     got = cls.propose_together(drafters, tokens, [3, 2], samplings)
     assert all(same(a, g) for a, g in zip(alone, got))
     assert [d.pairs for d in drafters] == [len(t) - 1 for t in tokens]
+
+
+# -- pads: a greedy row drafts into the positions the step computes anyway --------------------
+
+PADDED = [  # greedy rows at depths the others exceed, and seeded rows that must not fill
+    (IMPORTS, dict(drafter="pld", depth=2, max_tokens=40)),
+    (LISTS, dict(drafter="pld", depth=6, max_tokens=40)),
+    (LISTS * 3, dict(drafter="pld", depth=3, max_tokens=40)),
+    (IMPORTS, dict(drafter="mtp", depth=1, max_tokens=30)),
+    (LISTS, dict(drafter="mtp", depth=3, max_tokens=30)),
+    (LISTS * 3, dict(drafter="pld", temperature=0.3, seed=41, depth=2, max_tokens=40)),
+    (IMPORTS, dict(drafter="mtp", temperature=0.8, seed=37, depth=1, max_tokens=30)),
+]
+FILLS = [0, 1, 2, 3, 4]  # PADDED's greedy rows (rows 1 and 4 are their kinds' deepest)
+SEEDED = [5, 6]
+
+
+def padded_runs(spec):
+    """(PADDED served alone, PADDED in one batch): (tokens, drafts kept, drafts made) each."""
+    alone = [outcome(spec, p, {k: v for k, v in o.items() if k != "drafter"}, o["drafter"]) for p, o in PADDED]
+    batch = spec.batch(len(PADDED))
+    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in PADDED]
+    got, last = [[] for _ in PADDED], [None] * len(PADDED)
+    while any(s is not None for s in streams):
+        for j, stream in enumerate(streams):
+            chunk = next(stream, None) if stream is not None else None
+            if chunk is None:
+                streams[j] = None
+            else:
+                got[j].extend(chunk.tokens)
+                last[j] = chunk.stats
+    return alone, [(g, s.accepted, s.drafted) for g, s in zip(got, last)]
+
+
+def test_greedy_rows_draft_into_the_pads_and_give_what_they_give_alone(spec):
+    """Greedy rows at depths below the step's width draft on into it (prompt lookup to the
+    width, an MTP head as deep as its kinds' deepest chain): each gives its tokens alone, and
+    makes and keeps more drafts. The seeded rows draft exactly as alone."""
+    alone, got = padded_runs(spec)
+    assert [g[0] for g in got] == [a[0] for a in alone]
+    assert [got[i] for i in SEEDED] == [alone[i] for i in SEEDED]  # drafts, draws, tokens: their own
+    more = [i for i in FILLS if got[i][2] > alone[i][2]]
+    assert {0, 2, 3} <= set(more), (got, alone)  # the shallower greedy rows drafted more
+    assert sum(got[i][1] for i in FILLS) > sum(alone[i][1] for i in FILLS)  # and kept more
+
+
+def test_the_planted_seeded_rows_filling_their_pads_are_caught(spec, monkeypatch):
+    """PLANTED: every row fills its pads, the seeded ones too (their draws then fall on other
+    drafts): their tokens are not their own alone."""
+    monkeypatch.setattr(batch_step, "fills_pads", lambda row: True)
+    alone, got = padded_runs(spec)
+    assert all(got[i][0] != alone[i][0] for i in SEEDED)

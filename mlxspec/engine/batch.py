@@ -42,8 +42,9 @@ from ..errors import UsageError
 from ..models.layer_capture import LayerCapture
 from .batch_ahead import BatchAhead
 from .batch_cache import RaggedCache
+from .batch_step import Step, draft_together, fill_pads
 from .cache import ModelState
-from .drafters.base import Draft, Drafter
+from .drafters.base import Drafter
 from .drafters.pld import repetition_score
 from .emit import Output
 from .gates import CostModel, ShadowDrafts, SpeculationGate, probe, stays_plain
@@ -51,38 +52,10 @@ from .logprobs import TokenLogprob
 from .prefill import feed_prompt, restore_prefix, store
 from .prefix_cache import PrefixCache
 from .row_rules import RowRules
-from .sampling import SamplingParams, accept
+from .sampling import SamplingParams
 from .stats import Stats
 
 PAD = 0  # fed after a row's drafts up to the step's width; its positions are rolled back
-
-
-@dataclass
-class Step:
-    """One row's share of a step: a plain step (``draft`` None) or a verify of DRAFT (cut by
-    the row's constraint: ``masks`` for its rows, ``cut_q`` the q of a token cut), DRAFTED
-    tokens proposed before the cut (counted whole: tokens cut are rejections). WISH: (depth,
-    sampling) of a draft not made yet, made with the other rows' (:func:`draft_together`)."""
-
-    draft: Draft | None = None
-    host: tuple[int, ...] = ()
-    masks: mx.array | None = None
-    cut_q: mx.array | None = None
-    drafted: int = 0
-    wish: tuple[int, SamplingParams] | None = None
-
-    def accept(self, row: Row, logits: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """(n accepted, the tokens after each prefix, the processed rows) from this row's LOGITS
-        (W, V): the single-request loop's own steps (speculate.py) on the row's rows."""
-        rules, sampling = row.rules, row.sampling
-        if self.draft is None:
-            lg = rules.process(row.tokens, logits[:1], [], rules.plain_masks())
-            return mx.array(0), sampling.sample(lg), lg
-        k = len(self.host)
-        lg = rules.process(row.tokens, logits[: k + 1], list(self.host) if rules.penalties else [], self.masks)
-        args = (sampling, sampling.logprobs(lg), self.draft.tokens, self.draft.logprobs)
-        n_acc, out = accept(*args) if self.cut_q is None else accept(*args, self.cut_q)
-        return n_acc, out, lg
 
 
 @dataclass
@@ -119,24 +92,6 @@ def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.a
     padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)  # -1: never a token
     same = tokens[:, :-1].astype(mx.int32) == padded
     return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
-
-
-def draft_together(rows: Sequence[Row], plans: list[Step], together: bool = True) -> list[Step]:
-    """PLANS with each wish drafted: the rows wishing with one kind of drafter in one
-    ``propose_together`` call (an MTP head's chains share their forwards); TOGETHER false:
-    each row's own ``propose`` (the same drafts; to time what drafting together saves)."""
-    kinds: dict[type, list[int]] = {}
-    for i, p in enumerate(plans):
-        if p.wish is not None:
-            kinds.setdefault(type(rows[i].drafter), []).append(i)
-    plans = list(plans)
-    for kind, idx in kinds.items():
-        propose = kind.propose_together if together else Drafter.propose_together
-        drafts = propose([rows[i].drafter for i in idx], [rows[i].tokens for i in idx],
-                                       [plans[i].wish[0] for i in idx], [plans[i].wish[1] for i in idx])
-        for i, draft in zip(idx, drafts, strict=True):
-            plans[i] = Step() if draft is None else Step(draft, drafted=len(draft))
-    return plans
 
 
 @dataclass
@@ -411,6 +366,7 @@ class BatchedDecoder:
             mx.async_eval([p.draft.tokens for p in plans if p.draft is not None and p.draft.host is None])
             plans = [r.read(p) for r, p in zip(rows, plans)]
             width = 1 + max(len(p.host) for p in plans)
+            plans = fill_pads(rows, plans, width)
             logits = self._ahead.settle(rows, plans, width)  # the verify queued last step, if it is this one
             if logits is None:
                 inputs = [[r.tokens[-1], *p.host] + [PAD] * (width - 1 - len(p.host)) for r, p in zip(rows, plans)]
