@@ -7,19 +7,15 @@ weights with the scripted target and steered head of ``bench --real-shapes --con
     python3 benchmarks/diag_batch_drafting.py --shape qwen3-8b --rows 4 --reps 8 --json out.json
 
 Both runs of a repetition must give every request's script (``identical``); the ratio is
-together over alone, aggregate tok/s, paired per repetition (median and quartiles).
+together over alone, aggregate tok/s, paired per repetition (median and interquartile range,
+``bench.paired``).
 """
 
 import argparse
 import json
-import statistics
 
+from mlxspec.bench.paired import paired_speedup, quartiles
 from mlxspec.bench.real_concurrency import ConcurrencyBench
-
-
-def quartiles(xs):
-    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-    return [round(q[0], 4), round(statistics.median(xs), 4), round(q[2], 4)]
 
 
 def main():
@@ -50,10 +46,10 @@ def main():
             identical &= [t[: a.max_tokens] for t in r.tokens] == want
             tps[together].append(r.aggregate_tps)
             stats[together].append(r.stats)
-    ratios = [x / y for x, y in zip(tps[True], tps[False])]
     out = {"shape": a.shape, "rows": a.rows, "workload": a.workload, "reps": a.reps, "bits": a.bits,
-           "identical": identical, "together_over_alone": quartiles(ratios),
-           "together_tps": quartiles(tps[True]), "alone_tps": quartiles(tps[False]),
+           "identical": identical, "together_over_alone": paired_speedup(tps[True], tps[False]),
+           "together_tps": [round(q, 1) for q in quartiles(tps[True])],
+           "alone_tps": [round(q, 1) for q in quartiles(tps[False])],
            "together_stats": stats[True][-1], "alone_stats": stats[False][-1]}
     print(json.dumps(out, indent=1))
     if a.json:

@@ -50,15 +50,15 @@ IMPORTS = "import os\nimport sys\nimport os\nimport"
 LISTS = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"
 REVERSE = "Write a function that reverses a string."
 ROWS = [  # every row the MTP head, at its own fixed depth: chains of different lengths a step
-    (IMPORTS, dict(temperature=0.0, depth=3, max_tokens=30)),
-    (LISTS, dict(temperature=0.8, seed=13, depth=2, max_tokens=30)),
-    (REVERSE, dict(temperature=0.6, seed=17, depth=4, max_tokens=30)),
-    ("Say hi to the people of the town.", dict(temperature=0.7, seed=23, repetition_penalty=1.3, depth=3,
-                                                max_tokens=30)),
+    (IMPORTS, dict(drafter="mtp", temperature=0.0, depth=3, max_tokens=30)),
+    (LISTS, dict(drafter="mtp", temperature=0.8, seed=13, depth=2, max_tokens=30)),
+    (REVERSE, dict(drafter="mtp", temperature=0.6, seed=17, depth=4, max_tokens=30)),
+    ("Say hi to the people of the town.", dict(drafter="mtp", temperature=0.7, seed=23, repetition_penalty=1.3,
+                                                depth=3, max_tokens=30)),
     # a long prompt: the other rows' caches are merged behind a hundred and more padding slots
-    (LISTS * 12, dict(temperature=0.9, seed=29, depth=2, max_tokens=30)),
+    (LISTS * 12, dict(drafter="mtp", temperature=0.9, seed=29, depth=2, max_tokens=30)),
     # a constraint: each chain draw masked to the language after the row's own draws so far
-    (REVERSE, dict(temperature=0.5, seed=31, depth=3, max_tokens=20,
+    (REVERSE, dict(drafter="mtp", temperature=0.5, seed=31, depth=3, max_tokens=20,
                    constraint=ConstraintSpec("regex", "[a-z ]{4,60}\\.")))
 ]
 
@@ -70,9 +70,9 @@ def spec():
     return s
 
 
-def outcome(spec, prompt, options, drafter="mtp"):
+def outcome(spec, prompt, options):
     """(tokens, drafts kept, drafts made) of one request served alone."""
-    r = spec.generate(prompt, reuse=False, drafter=drafter, **options)
+    r = spec.generate(prompt, reuse=False, **options)
     return r.tokens, r.stats.accepted, r.stats.drafted
 
 
@@ -81,12 +81,13 @@ def alone(spec):
     return [outcome(spec, p, o) for p, o in ROWS]
 
 
-def together(spec, draft_together: bool = True) -> list[tuple[list[int], int, int]]:
-    """ROWS in one batch from the start: each one's (tokens, drafts kept, drafts made)."""
-    batch = spec.batch(len(ROWS))
+def in_one_batch(spec, requests, draft_together: bool = True) -> list[tuple[list[int], int, int]]:
+    """REQUESTS ((prompt, options) each) in one batch from the start: each one's (tokens, drafts
+    kept, drafts made)."""
+    batch = spec.batch(len(requests))
     batch.draft_together = draft_together
-    streams = [spec.stream_in(batch, p, reuse=False, drafter="mtp", **o) for p, o in ROWS]
-    got, last = [[] for _ in ROWS], [None] * len(ROWS)
+    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in requests]
+    got, last = [[] for _ in requests], [None] * len(requests)
     while any(s is not None for s in streams):
         for j, stream in enumerate(streams):
             chunk = next(stream, None) if stream is not None else None
@@ -96,6 +97,10 @@ def together(spec, draft_together: bool = True) -> list[tuple[list[int], int, in
                 got[j].extend(chunk.tokens)
                 last[j] = chunk.stats
     return [(g, s.accepted, s.drafted) for g, s in zip(got, last)]
+
+
+def together(spec, draft_together: bool = True) -> list[tuple[list[int], int, int]]:
+    return in_one_batch(spec, ROWS, draft_together)
 
 
 @pytest.fixture
@@ -288,19 +293,7 @@ SEEDED = [5, 6]
 
 def padded_runs(spec):
     """(PADDED served alone, PADDED in one batch): (tokens, drafts kept, drafts made) each."""
-    alone = [outcome(spec, p, {k: v for k, v in o.items() if k != "drafter"}, o["drafter"]) for p, o in PADDED]
-    batch = spec.batch(len(PADDED))
-    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in PADDED]
-    got, last = [[] for _ in PADDED], [None] * len(PADDED)
-    while any(s is not None for s in streams):
-        for j, stream in enumerate(streams):
-            chunk = next(stream, None) if stream is not None else None
-            if chunk is None:
-                streams[j] = None
-            else:
-                got[j].extend(chunk.tokens)
-                last[j] = chunk.stats
-    return alone, [(g, s.accepted, s.drafted) for g, s in zip(got, last)]
+    return [outcome(spec, p, o) for p, o in PADDED], in_one_batch(spec, PADDED)
 
 
 def test_greedy_rows_draft_into_the_pads_and_give_what_they_give_alone(spec):
