@@ -21,11 +21,12 @@ and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape it
 Drafters: prompt lookup, none, an MTP head, a draft model and DFlash (chains): each row has
 its own drafter instance (its own head, draft-model or block-drafter cache, B = 1; an MTP head
 gets its row of the batched forward's hidden states, DFlash its row of the layers it reads,
-captured over the batch). Rows whose drafter ``drafts_together`` (MTP heads, DFlash) hand in a wish
-from :meth:`Row.plan` and are drafted in one call after every row has planned: the heads'
-chains then share one forward a draft position (``MTPDrafter.propose_together``). The
-Gemma-4 assistant (it reads the target's own cache) and draft trees are served alone
-(``SpecModel.batch_plan``).
+captured over the batch). Rows whose drafter ``drafts_together`` (MTP heads, DFlash) hand in
+a wish from :meth:`Row.plan` and are drafted in one call after every row has planned: the
+heads' chains share one forward a draft position, the DFlash blocks one forward
+(``propose_together``); a greedy row drafts on into positions the step computes anyway
+(``batch_step.fill_pads``). The Gemma-4 assistant (it reads the target's own cache) and draft
+trees are served alone (``SpecModel.batch_plan``).
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ class Drafter(ABC):
     def propose_together(cls, drafters: list[Drafter], tokens: list[list[int]], ks: list[int],
                          samplings: list[SamplingParams]) -> list[Draft | None]:
         """The proposals of a batch's rows, row i's what ``drafters[i].propose(tokens[i], ks[i],
-        samplings[i])`` gives; a drafter whose rows can share forwards overrides it (MTP heads)."""
+        samplings[i])`` gives; a drafter whose rows can share forwards overrides it (MTP heads,
+        DFlash)."""
         return [d.propose(t, k, s) for d, t, k, s in zip(drafters, tokens, ks, samplings, strict=True)]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
