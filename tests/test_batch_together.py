@@ -49,8 +49,11 @@ MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 IMPORTS = "import os\nimport sys\nimport os\nimport"
 LISTS = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2,"
 REVERSE = "Write a function that reverses a string."
+# Every request is seeded, the greedy ones too: a seeded request's gates decide on the default
+# cost curve, not on this machine's timing (an unseeded one measures it), so every run decides
+# alike, alone and in a batch, on a loaded machine too.
 ROWS = [  # every row the MTP head, at its own fixed depth: chains of different lengths a step
-    (IMPORTS, dict(drafter="mtp", temperature=0.0, depth=3, max_tokens=30)),
+    (IMPORTS, dict(drafter="mtp", temperature=0.0, seed=0, depth=3, max_tokens=30)),
     (LISTS, dict(drafter="mtp", temperature=0.8, seed=13, depth=2, max_tokens=30)),
     (REVERSE, dict(drafter="mtp", temperature=0.6, seed=17, depth=4, max_tokens=30)),
     ("Say hi to the people of the town.", dict(drafter="mtp", temperature=0.7, seed=23, repetition_penalty=1.3,
@@ -278,12 +281,12 @@ def test_a_row_with_many_pairs_pending_commits_in_pieces_and_drafts_with_the_oth
 
 # -- pads: a greedy row drafts into the positions the step computes anyway --------------------
 
-PADDED = [  # greedy rows at depths the others exceed, and seeded rows that must not fill
-    (IMPORTS, dict(drafter="pld", depth=2, max_tokens=40)),
-    (LISTS, dict(drafter="pld", depth=6, max_tokens=40)),
-    (LISTS * 3, dict(drafter="pld", depth=3, max_tokens=40)),
-    (IMPORTS, dict(drafter="mtp", depth=1, max_tokens=30)),
-    (LISTS, dict(drafter="mtp", depth=3, max_tokens=30)),
+PADDED = [  # greedy rows at depths the others exceed, and sampling rows that must not fill
+    (IMPORTS, dict(drafter="pld", seed=0, depth=2, max_tokens=40)),
+    (LISTS, dict(drafter="pld", seed=0, depth=6, max_tokens=40)),
+    (LISTS * 3, dict(drafter="pld", seed=0, depth=3, max_tokens=40)),
+    (IMPORTS, dict(drafter="mtp", seed=0, depth=1, max_tokens=30)),
+    (LISTS, dict(drafter="mtp", seed=0, depth=3, max_tokens=30)),
     (LISTS * 3, dict(drafter="pld", temperature=0.3, seed=41, depth=2, max_tokens=40)),
     (IMPORTS, dict(drafter="mtp", temperature=0.8, seed=37, depth=1, max_tokens=30)),
 ]
