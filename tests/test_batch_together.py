@@ -294,16 +294,17 @@ FILLS = [0, 1, 2, 3, 4]  # PADDED's greedy rows (rows 1 and 4 are their kinds' d
 SEEDED = [5, 6]
 
 
-def padded_runs(spec):
-    """(PADDED served alone, PADDED in one batch): (tokens, drafts kept, drafts made) each."""
-    return [outcome(spec, p, o) for p, o in PADDED], in_one_batch(spec, PADDED)
+@pytest.fixture(scope="module")
+def padded_alone(spec):
+    """PADDED served alone: (tokens, drafts kept, drafts made) each."""
+    return [outcome(spec, p, o) for p, o in PADDED]
 
 
-def test_greedy_rows_draft_into_the_pads_and_give_what_they_give_alone(spec):
+def test_greedy_rows_draft_into_the_pads_and_give_what_they_give_alone(spec, padded_alone):
     """Greedy rows at depths below the step's width draft on into it (prompt lookup to the
     width, an MTP head as deep as its kinds' deepest chain): each gives its tokens alone, and
     makes and keeps more drafts. The seeded rows draft exactly as alone."""
-    alone, got = padded_runs(spec)
+    alone, got = padded_alone, in_one_batch(spec, PADDED)
     assert [g[0] for g in got] == [a[0] for a in alone]
     assert [got[i] for i in SEEDED] == [alone[i] for i in SEEDED]  # drafts, draws, tokens: their own
     more = [i for i in FILLS if got[i][2] > alone[i][2]]
@@ -311,9 +312,9 @@ def test_greedy_rows_draft_into_the_pads_and_give_what_they_give_alone(spec):
     assert sum(got[i][1] for i in FILLS) > sum(alone[i][1] for i in FILLS)  # and kept more
 
 
-def test_the_planted_seeded_rows_filling_their_pads_are_caught(spec, monkeypatch):
+def test_the_planted_seeded_rows_filling_their_pads_are_caught(spec, padded_alone, monkeypatch):
     """PLANTED: every row fills its pads, the seeded ones too (their draws then fall on other
     drafts): their tokens are not their own alone."""
     monkeypatch.setattr(batch_step, "fills_pads", lambda row: True)
-    alone, got = padded_runs(spec)
+    alone, got = padded_alone, in_one_batch(spec, PADDED)
     assert all(got[i][0] != alone[i][0] for i in SEEDED)
