@@ -72,10 +72,14 @@ def draft_together(rows: Sequence, plans: list[Step], together: bool = True) -> 
 
 def fills_pads(row) -> bool:
     """Whether ROW may draft past its own depth where the step computes positions anyway (pads
-    after a shorter draft, a chain drawn for a deeper row): a greedy row whose rows nothing
-    reads (no constraint, penalties or logprobs) gives the target's argmax tokens whatever it
-    drafts, so longer drafts change only how many it keeps in a step, never which tokens."""
-    return row.sampling.greedy and not row.rules.reads_rows
+    after a shorter draft, a chain drawn for a deeper row), when nothing reads its rows (no
+    constraint, penalties or logprobs):
+    - a greedy row gives the target's argmax tokens whatever it drafts, so longer drafts
+      change only how many it keeps in a step, never which tokens;
+    - an unseeded sampling row stays exact in distribution: how far it drafts is decided
+      before its verify, from nothing its acceptance draws read. A seeded row drafts as it
+      would alone, so that its draws, and its tokens, repeat."""
+    return not row.rules.reads_rows and (row.sampling.greedy or not row.seeded)
 
 
 def fill_pads(rows: Sequence, plans: list[Step], width: int) -> list[Step]:
