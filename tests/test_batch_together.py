@@ -18,7 +18,8 @@ counts of drafts made and kept too (the same drafts, drawn from its own stream i
 Pads (engine/batch_step.py): a greedy row whose rows nothing reads drafts on into positions the
 step computes anyway (prompt lookup to the step's width, an MTP head as deep as the deepest
 chain): its tokens stay its own alone, it makes and keeps more drafts, and seeded rows draft
-exactly as alone (planted: seeded rows filling their pads give other tokens).
+exactly as alone (planted: seeded rows filling their pads give other tokens). Unseeded
+sampling rows fill their pads too: tests/test_batch.py's battery scores their distribution.
 """
 
 from __future__ import annotations
