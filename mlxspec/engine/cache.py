@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..compat import ring_index, set_ring_index
 from ..errors import DrafterError
@@ -89,6 +89,13 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+
+def merged_caches(rows: list[list[KVCache]]) -> list[BatchKVCache]:
+    """Several requests' caches (each a list of per-layer KV caches) as one batch, layer by
+    layer: a copy, left-padded (mlx-lm's ``BatchKVCache``: each row keeps its own length and
+    RoPE offset, its padding masked). A batch's drafters draft their rows together on it."""
+    return [BatchKVCache.merge(list(layer)) for layer in zip(*rows, strict=True)]
 
 
 def snapshot_caches(caches: list, length: int) -> Snapshot | None:

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache
 
 from ...models.dflash import DFlashDraftModel
 from ...models.trunk import split_trunk
-from ..cache import model_nbytes, restore_caches, snapshot_caches
+from ..cache import merged_caches, model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from ..tree import tree_from_marginals
 from .base import Draft, Drafter, joined_rows
@@ -173,7 +172,7 @@ class DFlashDrafter(Drafter):
             drafters[i]._commit()
         blocks = mx.stack([first._block(tokens[i]) for i in live])  # (B, S)
         positions = mx.array([len(tokens[i]) - 1 for i in live])
-        merged = [BatchKVCache.merge(list(caches)) for caches in zip(*(drafters[i].cache for i in live))]
+        merged = merged_caches([drafters[i].cache for i in live])
         h = model.forward_rows(first.embed(blocks), merged, positions)  # (B, S, H)
         logits = first.head(h[:, 1 : 1 + max(depth[i] for i in live)])  # (B, k, V)
         drafts: list[Draft | None] = [None] * len(drafters)

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ...models.mtp.head import MTPHead
 from ..batch_cache import roll_rows
-from ..cache import model_nbytes, restore_caches, snapshot_caches
+from ..cache import merged_caches, model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, chain_draft, joined_rows, sample_chain
 
@@ -175,17 +175,12 @@ class MTPDrafter(Drafter):
             if pos + 1 == depth:
                 break
             if merged is None:
-                merged = merge_rows(ready)
+                merged = merged_caches([d.cache for d in ready])
             logits, hidden = head.step_rows(mx.concatenate(fed).astype(mx.uint32), hidden, merged, step=pos + 1)
         drafts: list[Draft | None] = [None] * len(drafters)
         for (drafted, qs), i in zip(chains, live):
             drafts[i] = chain_draft(drafted, qs, samplings[i])
         return drafts
-
-
-def merge_rows(drafters: list[MTPDrafter]) -> list[BatchKVCache]:
-    """The DRAFTERS' head caches as one batch, layer by layer: a copy, left-padded."""
-    return [BatchKVCache.merge(list(caches)) for caches in zip(*(d.cache for d in drafters))]
 
 
 def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx.array, list[BatchKVCache] | None]:
@@ -205,7 +200,7 @@ def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx
     inputs = mx.array([t[d.pairs + 1 : d.pairs + 1 + n] + [t[-1]] * (width - n)
                        for d, t, n in zip(drafters, tokens, counts)], mx.uint32)  # (B, W)
     hidden = mx.stack([mx.pad(p[:n], [(0, width - n), (0, 0)]) for p, n in zip(pending, counts)])  # (B, W, H)
-    merged = merge_rows(drafters)
+    merged = merged_caches([d.cache for d in drafters])
     layer = merged[0]  # a commit runs the head's first layer (step 0), as _commit does
     start = layer._idx
     out = drafters[0].head.forward_rows(inputs, hidden, merged)  # (B, W, H)
