@@ -122,7 +122,6 @@ class Row:
         self.on_logprobs = on_logprobs
         self.tokens = prompt
         self.sampling = sampling
-        self.seeded = False  # whether its request gave a seed (set by BatchedDecoder.add)
         self.output = output
         self.stats = output.stats
         self.drafter = plan.drafter
@@ -278,7 +277,6 @@ class BatchedDecoder:
         output = Output(Stats(prompt_tokens=len(prompt)), max_tokens, set(stop_tokens))
         row = Row(self, list(prompt), sampling.for_request(seed), output, plan, prefix_cache, checkpoints,
                   rules, on_logprobs)
-        row.seeded = seed is not None  # its draws must repeat: it drafts as it would alone
         row.prefill = self._prefill(row)
         self.joining.append(row)
         return row

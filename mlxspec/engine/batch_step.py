@@ -79,7 +79,7 @@ def fills_pads(row) -> bool:
     - an unseeded sampling row stays exact in distribution: how far it drafts is decided
       before its verify, from nothing its acceptance draws read. A seeded row drafts as it
       would alone, so that its draws, and its tokens, repeat."""
-    return not row.rules.reads_rows and (row.sampling.greedy or not row.seeded)
+    return not row.rules.reads_rows and (row.sampling.greedy or not row.sampling.seeded)
 
 
 def fill_pads(rows: Sequence, plans: list[Step], width: int) -> list[Step]:

@@ -34,6 +34,7 @@ class RandomKeys:
     ``mx.random.seed`` fixes)."""
 
     def __init__(self, seed: int | None = None):
+        self.seeded = seed is not None  # its draws repeat from run to run
         if seed is not None:
             self.key = mx.random.key(seed)
         else:
@@ -58,6 +59,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         # a vanishing temperature or top_p too (see options): both keep the top token only
         return self.temperature < GREEDY_TEMPERATURE or self.top_p < MIN_TOP_P
+
+    @property
+    def seeded(self) -> bool:
+        """Whether these draws come from a seeded stream (a request whose draws must repeat)."""
+        return self.keys is not None and self.keys.seeded
 
     def for_request(self, seed: int | None) -> SamplingParams:
         """These parameters with a random stream of their own (see RandomKeys)."""
