@@ -21,7 +21,7 @@ from mlx_lm.models import gated_delta
 
 import gdn_grad  # tests/gdn_grad.py: the backward kernel, outside the package
 from mlxspec import kernels
-from mlxspec.kernels import attention, gdn, qmm
+from mlxspec.kernels import attention, gdn, qmm, qmm_tc
 
 _CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half",
                mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
@@ -112,9 +112,15 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
                                [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype),
                                 ("dims", mx.int32)],
                                [("y", dtype)], [("Bits", bits), ("MaxM", 8), ("Cols", qmm.COLS), ("InT", dtype)]))
+    for dtype in qmm_tc.DTYPES:
+        for col_tiles, row_tiles in ((1, 1), (2, 4)):
+            units.append(_wrap(f"qmm_tc_{_CUDA_TYPES[dtype].strip('_')}_{col_tiles}_{row_tiles}", qmm_tc._SOURCE,
+                               [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype),
+                                ("dims", mx.int32)],
+                               [("y", dtype)], [("InT", dtype), ("MT", col_tiles), ("NT", row_tiles), ("KW", 4)]))
     cu = tmp_path / "kernels.cu"
     units += _attention_units()
-    cu.write_text(_PRELUDE + qmm._HEADER + attention._HEADER
+    cu.write_text(_PRELUDE + qmm._HEADER + qmm_tc._HEADER + attention._HEADER
                   + "namespace mlx::core::cu {\n" + "\n".join(units) + "}\n")
     # -O0: the front end's checks are the point, and optimizing ~50 variants takes seconds
     done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-Xcicc", "-O0",
@@ -165,6 +171,39 @@ def test_bucket_and_eligibility():
     assert not qmm.eligible(mx.float32, w, s, None, 64, 4, "affine")
     assert not qmm.eligible(mx.float32, w, s, b, 64, 3, "affine")
     assert not qmm.eligible(mx.float32, w, s, b, 64, 4, "mxfp4")
+
+
+def test_tensor_core_eligibility_and_route(monkeypatch):
+    """2..32 rows of bf16/fp16 activations on 4-bit weights, K a multiple of 128, go to the
+    tensor-core kernel; float32 activations take the small-M kernel up to 8 rows; 8-bit, an odd
+    K, 1 row and 33 rows are not the tensor-core kernel's."""
+    w, s, b = mx.quantize(mx.random.normal((64, 256)).astype(mx.bfloat16), group_size=64, bits=4)
+    assert qmm_tc.eligible(mx.bfloat16, w, s, b, 64, 4, "affine")
+    assert not qmm_tc.eligible(mx.float32, w, s, b, 64, 4, "affine")
+    w8, s8, b8 = mx.quantize(mx.random.normal((64, 256)).astype(mx.bfloat16), group_size=64, bits=8)
+    assert not qmm_tc.eligible(mx.bfloat16, w8, s8, b8, 64, 8, "affine")
+    w3, s3, b3 = mx.quantize(mx.random.normal((64, 192)).astype(mx.bfloat16), group_size=64, bits=4)
+    assert not qmm_tc.eligible(mx.bfloat16, w3, s3, b3, 64, 4, "affine")  # K = 192
+    assert qmm_tc.split_k(4096, 4096, 2) == 8 and qmm_tc.split_k(151936, 4096, 2) == 1
+    assert qmm_tc.split_k(4096, 256, 2) == 1  # 2 passes of 128 k: one warp
+    layer = nn.Linear(256, 64, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    monkeypatch.setattr(qmm, "active", lambda: True)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
+    assert qmm.install(mlp) == 1
+    wide, small = [], []
+    monkeypatch.setattr(qmm_tc, "quantized_matmul", lambda x, w, *a, **k: wide.append(x.shape[-2]) or x[..., :64])
+    monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
+    for rows in (1, 2, 8, 9, 32, 33):
+        mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
+    for rows in (2, 20):
+        mlp.layers[0](mx.zeros((1, rows, 256)))  # float32 activations
+    assert wide == [2, 8, 9, 32] and small == [2]
+    monkeypatch.setattr(qmm, "TC_ROWS", range(0))
+    for rows in (8, 20):
+        mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
+    assert wide == [2, 8, 9, 32] and small == [2, 8]
 
 
 def _quantized_mlp():

@@ -9,7 +9,8 @@ sources compile, and that the fallback is mlx-lm's path).
   bit for bit, and its backward pass (the package's, and tests/gdn_grad.py's kernel) equals
   autodiff through mlx-lm's ops.
 - The small-M quantized matmul equals ``mx.quantized_matmul`` for 4/8 bits, groups 32/64/128,
-  1..8 rows, float32 and bfloat16.
+  1..8 rows, float32 and bfloat16; the tensor-core one (4-bit, bf16/fp16) at 1..32 rows, every
+  tile and split of K, and a swapped layer sends a batch's 9..32-row verify to it.
 - On the trained mini-hybrid model, kernels on and off give the same greedy text, and
   temperature-0 speculation with the kernels is plain decoding with them (float32).
 - Verify attention equals a float64 NumPy reference (float32 to 1e-4; bf16/fp16 to 1e-2) and
@@ -36,7 +37,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 import gdn_grad  # tests/gdn_grad.py: the backward kernel, outside the package
 from mlxspec import kernels
-from mlxspec.kernels import attention, gdn, qmm
+from mlxspec.kernels import attention, gdn, qmm, qmm_tc
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda(), reason="needs MLX's CUDA backend")]
@@ -160,6 +161,52 @@ def test_small_m_qmm_matches_mlx(bits, group_size, dtype):
     x3 = mx.random.normal((1, 3, K)).astype(dtype)  # leading axes fold into rows
     _close(qmm.quantized_matmul(x3, w, scales, biases, group_size=group_size, bits=bits),
            mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=bits), tol)
+
+
+@pytest.mark.parametrize("group_size,dtype", [(g, mx.bfloat16) for g in (32, 64, 128)] + [(64, mx.float16)])
+def test_tensor_core_qmm_matches_mlx(group_size, dtype):
+    """At 1..32 rows (every count of 8-row tiles, a tile's first and last row), 16 and 32
+    columns a warp, K split over 1, 4 (the split chosen here) and 8 warps (12 passes of 128 k: 8
+    warps take uneven shares), N not a multiple of a block's columns. (Each template variant is
+    compiled at its first call: the variants are kept few.)"""
+    mx.random.seed(group_size)
+    N, K = 1000, 1536
+    w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(dtype), group_size=group_size, bits=4)
+    assert qmm_tc.split_k(N, K, 2) == 4
+    cases = [(rows, col_tiles, None) for rows in (1, 8, 9, 17, 32) for col_tiles in (1, 2)]
+    cases += [(20, 2, 1), (24, 2, 8)]
+    for rows, col_tiles, warps in cases:
+        x = mx.random.normal((rows, K)).astype(dtype)
+        want = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4)
+        got = qmm_tc.quantized_matmul(x, w, scales, biases, group_size=group_size, col_tiles=col_tiles, warps=warps)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        _close(got, want, TOL[dtype])
+    x3 = mx.random.normal((2, 10, K)).astype(dtype)  # leading axes fold into rows
+    _close(qmm_tc.quantized_matmul(x3, w, scales, biases, group_size=group_size),
+           mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=4), TOL[dtype])
+
+
+def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
+    """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs; 33
+    rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
+    mx.random.seed(3)
+    layers = []
+    for bits in (4, 8):
+        layer = nn.Linear(1536, 1024, bias=False)
+        layer.set_dtype(mx.bfloat16)
+        layers.append(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits))
+    model = nn.Sequential(*layers)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
+    xs = {rows: mx.random.normal((1, rows, 1536)).astype(mx.bfloat16) for rows in (4, 9, 20, 32, 33)}
+    want = {rows: [layer(x) for layer in model.layers] for rows, x in xs.items()}
+    assert qmm.install(model) == 2
+    calls = []
+    real = qmm_tc.quantized_matmul
+    monkeypatch.setattr(qmm_tc, "quantized_matmul", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k))
+    for rows, x in xs.items():
+        for layer, w in zip(model.layers, want[rows]):
+            _close(layer(x), w, TOL[mx.bfloat16])
+    assert calls == [4, 9, 20, 32]
 
 
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):

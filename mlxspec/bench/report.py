@@ -35,12 +35,13 @@ def environment() -> dict:
     except Exception:  # not every backend describes its device
         info = {}
     from ..kernels import ENV, active
-    from ..kernels.qmm import MAX_ROWS, MIN_ROWS
+    from ..kernels.qmm import MAX_ROWS, MIN_ROWS, TC_ROWS
 
     return {
         "mlxspec": __version__, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
         "device": str(mx.default_device()), "device_info": info,
-        "kernels": {"active": active(), ENV: os.environ.get(ENV), "qmm_rows": [MIN_ROWS, MAX_ROWS]},
+        "kernels": {"active": active(), ENV: os.environ.get(ENV), "qmm_rows": [MIN_ROWS, MAX_ROWS],
+                    "tensor_core_rows": [TC_ROWS.start, TC_ROWS.stop - 1] if TC_ROWS else None},
         "python": platform.python_version(), "platform": platform.platform(),
         "command": _command_line(), "argv": list(sys.argv), "executable": sys.executable,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -2,9 +2,10 @@
 
 Three things make a verify forward of a few tokens cost far more than one token there:
 mlx-lm's GatedDeltaNet recurrence has a fused kernel only on Metal (elsewhere it is a loop of
-ops per token), MLX's quantized matmul for 2..7 rows reads the weights once per row, and MLX's
+ops per token), MLX's quantized matmul for a few rows reads the weights once per row (and
+past 8 rows costs a 20-32-row verify about 2.7 one-row forwards of the 8B shape), and MLX's
 attention for 2..16 query rows rebuilds a cuDNN graph whenever the key length changes (every
-verify step). :mod:`.gdn`, :mod:`.qmm` and :mod:`.attention` replace the three on CUDA;
+verify step). :mod:`.gdn`, :mod:`.qmm` (with :mod:`.qmm_tc`) and :mod:`.attention` replace the three on CUDA;
 everywhere else, and with ``MLXSPEC_KERNELS=0``, mlx-lm's and MLX's own paths run unchanged.
 A target sharded by tensor parallelism gets them too: each works on the rank's own heads and
 rows, and a sharded layer's all-sum stays where mlx puts it (:mod:`.qmm`).

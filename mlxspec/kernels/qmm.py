@@ -1,4 +1,5 @@
-"""Small-batch quantized matmul for MLX's CUDA backend: 2..8 rows, each weight read once.
+"""Small-batch quantized matmul for MLX's CUDA backend: 2..8 rows, each weight read once, and
+the routing of a quantized layer's verify rows to it or to the tensor-core kernel (:mod:`.qmm_tc`).
 
 MLX's CUDA quantized matmul for 2..7 rows (the qmv path) reads the weights once per row, so a
 verify of 4 tokens costs about 4 decode steps in its linear layers; at 8 rows it switches to a
@@ -6,9 +7,12 @@ tensor-core path. Here one warp computes one output column for all M rows: each 
 16 bytes of packed weights per step, dequantizes them (affine: scale * q + bias, MLX's packing
 of 32/bits values per uint32, lowest bits first) and accumulates them into M row sums.
 
-It is used at every 2..8 rows for matrices of at least MIN_WEIGHT_BYTES. Timed alone, MLX's
-matmul sometimes wins (mostly at 8 rows, where it switches to tensor cores), but whole forwards
-of the 8B and 27B shapes were faster with this kernel at every row count
+The tensor-core kernel (2..32 rows, 4-bit weights, bf16/fp16 activations) beat this one on
+the 8B shape's matrices at every row count, so this one takes what that one does not: float32
+activations and 8-bit weights, at 2..8 rows, for matrices of at least MIN_WEIGHT_BYTES (as
+that one). Timed alone, MLX's matmul sometimes wins (mostly at 8 rows, where it switches to
+tensor cores), but whole forwards of the 8B and 27B shapes were faster with this kernel at
+every row count
 (``benchmarks/diag_verify_strategies.py``): alone, a call's time is mostly launch and host cost,
 which a forward's hundreds of calls do not add up the same way. Small matrices (an MoE's
 experts and its k/v projections) stay on MLX's matmul: there the kernel's host cost per call is
@@ -25,6 +29,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShardedToAllLinear, sum_gradients
 
 from ..compat import swap_class
+from . import qmm_tc
 from .switch import active, int_array
 
 
@@ -214,18 +219,30 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     return y.reshape(*x.shape[:-1], N)
 
 
+# Rows the tensor-core kernel (:mod:`.qmm_tc`) takes where a layer's layout allows (4-bit, bf16
+# or fp16): on the 8B shape's matrices it beat this module's kernel at 2..8 rows and MLX's at
+# 2..32 (docs/benchmarks.md). range(0) leaves every row count to the paths before it.
+TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
+
+
+def _tensor_cores(module, x: mx.array, rows: int) -> bool:
+    return rows in TC_ROWS and module.tc_layout and x.dtype == module["scales"].dtype
+
+
 def _use(module, x: mx.array) -> bool:
-    return (MIN_ROWS <= x.size // x.shape[-1] <= MAX_ROWS and module["weight"].nbytes >= MIN_WEIGHT_BYTES
-            and active())
+    rows = x.size // x.shape[-1]
+    return ((MIN_ROWS <= rows <= MAX_ROWS or _tensor_cores(module, x, rows))
+            and module["weight"].nbytes >= MIN_WEIGHT_BYTES and active())
 
 
 def _matmul(module, x: mx.array) -> mx.array:
-    return quantized_matmul(x, module["weight"], module["scales"], module["biases"],
-                            group_size=module.group_size, bits=module.bits)
+    kernel = qmm_tc.quantized_matmul if _tensor_cores(module, x, x.size // x.shape[-1]) else quantized_matmul
+    return kernel(x, module["weight"], module["scales"], module["biases"],
+                  group_size=module.group_size, bits=module.bits)
 
 
 class SmallMQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` that sends 2..8-row inputs to the kernel where it was faster."""
+    """``nn.QuantizedLinear`` that sends 2..32-row inputs to a kernel where one was faster."""
 
     def __call__(self, x):
         if not _use(self, x):
@@ -281,5 +298,8 @@ def install(model: nn.Module) -> int:
                         module.group_size, module.bits, getattr(module, "mode", "affine")):
             continue
         swap_class(module, cls)
+        module.tc_layout = qmm_tc.eligible(module["scales"].dtype, module["weight"], module["scales"],
+                                           module.get("biases"), module.group_size, module.bits,
+                                           getattr(module, "mode", "affine"))
         swapped += 1
     return swapped

@@ -1,0 +1,141 @@
+"""A batch's wide verify (9..32 rows) on a real shape: the tensor-core quantized matmul
+(``kernels/qmm_tc.py``) against MLX's, alone and in whole forwards.
+
+1. Matmuls alone, on the shape's matrices at each row count: MLX's ``mx.quantized_matmul``,
+   the small-M kernel (up to its compiled rows) and the tensor-core kernel (16 or 32 columns a
+   warp). Each timing evaluates a graph of 48 matmuls cycling over 6 copies of the matrix (more
+   than the L2 holds), so weights come from memory as in a forward; microseconds a matmul,
+   median of the rounds. The largest difference from MLX's output is reported too.
+2. Whole forwards of the model at each width, round-robin over two policies: ``mlx`` (rows past
+   the small-M kernel on MLX's matmul) and ``tc`` (9..32 rows on the tensor-core kernel);
+   milliseconds a synchronous forward over a ~600-token cache, median.
+
+    python benchmarks/diag_wide_verify.py [--shape qwen3-8b] [--rounds 15] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxspec.bench.synthetic import random_model, vocab_size
+from mlxspec.kernels import qmm, qmm_tc
+
+ROWS = (1, 2, 4, 8, 9, 12, 16, 20, 24, 32)
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
+# policy -> the rows the tensor-core kernel takes (the small-M kernel takes 2..8 rows it does not)
+POLICIES = {"mlx": range(0), "small-m": range(qmm.MAX_ROWS + 1, qmm_tc.MAX_ROWS + 1),
+            "tc": range(qmm.MIN_ROWS, qmm_tc.MAX_ROWS + 1)}
+CALLS, COPIES = 48, 6
+
+
+def matrices(model: nn.Module) -> dict:
+    """One quantized layer per distinct (out, in) shape of at least the kernels' size limit."""
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear) and m["weight"].nbytes >= qmm.MIN_WEIGHT_BYTES:
+            key = f"{m['weight'].shape[0]}x{m['weight'].shape[1] * 32 // m.bits}"
+            found.setdefault(key, m)
+    return found
+
+
+def paths(rows: int) -> list[str]:
+    """The paths that take this many rows."""
+    small = ["smallm"] if rows <= qmm.MAX_ROWS else []
+    return ["mlx", *small, "tc16", "tc32"]
+
+
+def time_matmuls(layer, rows: int, rounds: int) -> dict:
+    K = layer["weight"].shape[1] * 32 // layer.bits
+    x = mx.random.normal((rows, K)).astype(layer["scales"].dtype)
+    copies = [(mx.array(layer["weight"]) + 0, layer["scales"] + 0, layer["biases"] + 0) for _ in range(COPIES)]
+    mx.eval(x, copies)
+    fns = paths(rows)
+    ref = _call("mlx", layer, x, *copies[0]).astype(mx.float32)
+    res = {}
+    for name in fns:
+        got = _call(name, layer, x, *copies[0]).astype(mx.float32)
+        err = mx.max(mx.abs(got - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-6)
+        res[name] = {"max_rel_err": round(err.item(), 5), "us": []}
+    for r in range(rounds + 1):  # the first round warms up
+        for name in fns:
+            t0 = time.perf_counter()
+            mx.eval([_call(name, layer, x, *copies[i % COPIES]) for i in range(CALLS)])
+            if r:
+                res[name]["us"].append((time.perf_counter() - t0) / CALLS * 1e6)
+    return {n: {"max_rel_err": v["max_rel_err"], "us": round(statistics.median(v["us"]), 2)} for n, v in res.items()}
+
+
+def _call(name: str, layer, x, w, s, b):
+    gs, bits = layer.group_size, layer.bits
+    if name == "mlx":
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits)
+    if name == "smallm":
+        return qmm.quantized_matmul(x, w, s, b, group_size=gs, bits=bits)
+    return qmm_tc.quantized_matmul(x, w, s, b, group_size=gs, bits=bits, col_tiles=int(name[2:]) // 16)
+
+
+def time_forwards(model, vocab: int, rounds: int, policies: dict) -> dict:
+    saved = qmm.TC_ROWS
+    caches, times = {}, {p: {L: [] for L in WIDTHS} for p in policies}
+    for p in policies:
+        caches[p] = make_prompt_cache(model)
+        mx.eval(model(mx.random.randint(0, vocab, (1, 512)), cache=caches[p]))
+    toks = {L: mx.random.randint(0, vocab, (1, L)) for L in WIDTHS}
+    mx.eval(toks)
+    for r in range(rounds + 2):  # two warm-up rounds
+        for p, rows in policies.items():
+            qmm.TC_ROWS = rows
+            for L in WIDTHS:
+                t0 = time.perf_counter()
+                mx.eval(model(toks[L], cache=caches[p]))
+                if r >= 2:
+                    times[p][L].append((time.perf_counter() - t0) * 1e3)
+            for c in caches[p]:
+                if getattr(c, "offset", 0) > 700 and c.is_trimmable():
+                    c.trim(c.offset - 600)
+    qmm.TC_ROWS = saved
+    out = {}
+    for p, d in times.items():
+        med = {L: statistics.median(v) for L, v in d.items()}
+        out[p] = {f"ms_{L}": round(m, 3) for L, m in med.items()}
+        out[p].update({f"ratio_{L}": round(med[L] / med[1], 3) for L in WIDTHS[1:]})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-matmuls", action="store_true")
+    ap.add_argument("--policies", default="mlx,small-m,tc", help=f"of {', '.join(POLICIES)}")
+    args = ap.parse_args()
+    model = random_model(args.shape, bits=4)
+    res = {"shape": args.shape, "device": mx.device_info().get("device_name"), "rounds": args.rounds,
+           "small_m_rows": qmm.MAX_ROWS, "matmuls": {}}
+    if not args.skip_matmuls:
+        for key, layer in matrices(model).items():
+            res["matmuls"][key] = {}
+            for rows in ROWS:
+                res["matmuls"][key][rows] = cell = time_matmuls(layer, rows, 5)
+                print(args.shape, key, rows, json.dumps(cell), flush=True)
+    policies = {name: POLICIES[name] for name in args.policies.split(",")}
+    res["forwards"] = time_forwards(model, vocab_size(args.shape), args.rounds, policies)
+    for p, d in res["forwards"].items():
+        print("forward", p, json.dumps(d), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
