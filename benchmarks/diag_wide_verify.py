@@ -1,16 +1,19 @@
-"""A batch's wide verify (9..32 rows) on a real shape: the tensor-core quantized matmul
-(``kernels/qmm_tc.py``) against MLX's, alone and in whole forwards.
+"""A batch's wide verify on a real shape: the tensor-core quantized matmul
+(``kernels/qmm_tc.py``) against MLX's and the small-M kernel, alone and in whole forwards.
 
-1. Matmuls alone, on the shape's matrices at each row count: MLX's ``mx.quantized_matmul``,
-   the small-M kernel (up to its compiled rows) and the tensor-core kernel (16 or 32 columns a
-   warp). Each timing evaluates a graph of 48 matmuls cycling over 6 copies of the matrix (more
-   than the L2 holds), so weights come from memory as in a forward; microseconds a matmul,
-   median of the rounds. The largest difference from MLX's output is reported too.
-2. Whole forwards of the model at each width, round-robin over two policies: ``mlx`` (rows past
-   the small-M kernel on MLX's matmul) and ``tc`` (9..32 rows on the tensor-core kernel);
-   milliseconds a synchronous forward over a ~600-token cache, median.
+1. Matmuls alone, on the shape's matrices of at least the kernels' size limit, at 1..32 rows:
+   MLX's ``mx.quantized_matmul``, the small-M kernel (up to its compiled rows) and the
+   tensor-core kernel (16 or 32 columns a warp). Each timing evaluates a graph of 48 matmuls
+   cycling over 6 copies of the matrix, so most weights come from memory as in a forward (the
+   4096 x 4096 matrix's 6 copies, 48 MB, about fill the L2); microseconds a matmul, median of 5
+   rounds. The largest difference from MLX's output, relative to its largest value, is reported.
+2. Whole forwards of the model at widths 1..32, round-robin over ``--policies``: ``mlx`` (2..8
+   rows on the small-M kernel, more on MLX's matmul), ``small-m`` (2..8 on the small-M kernel,
+   9..32 on the tensor-core kernel) and ``tc`` (2..32 on the tensor-core kernel, the default);
+   milliseconds a synchronous forward over a ~600-token cache, median of the rounds.
 
-    python benchmarks/diag_wide_verify.py [--shape qwen3-8b] [--rounds 15] [--json OUT]
+    python benchmarks/diag_wide_verify.py [--shape qwen3-8b] [--rounds 15] [--skip-matmuls]
+        [--policies mlx,small-m,tc] [--json OUT]
 """
 
 from __future__ import annotations
