@@ -30,7 +30,7 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 
 from ..compat import swap_class
 from . import qmm_tc
-from .switch import active, int_array
+from .switch import active, int_array, quantized_matmul_kernel
 
 
 def _max_rows(text: str | None) -> int:
@@ -175,18 +175,14 @@ COLS = 4  # output columns per warp
 def _bucket(rows: int) -> int:
     """Accumulator rows compiled in: 1, 2, 4, 8 or 16 (registers grow with them; occupancy falls)."""
     return 1 << (rows - 1).bit_length()
+
+
 WARPS_PER_BLOCK = 8
 
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="mlxspec_qmm_small_m",
-        input_names=["x", "w", "scales", "biases", "dims"],
-        output_names=["y"],
-        header=_HEADER,
-        source=_SOURCE,
-    )
+    return quantized_matmul_kernel("mlxspec_qmm_small_m", _HEADER, _SOURCE)
 
 
 def eligible(x_dtype, w: mx.array, scales: mx.array, biases, group_size: int, bits: int, mode: str) -> bool:

@@ -28,7 +28,7 @@ import functools
 
 import mlx.core as mx
 
-from .switch import int_array
+from .switch import int_array, quantized_matmul_kernel
 
 BITS = 4
 GROUP_SIZES = (32, 64, 128)
@@ -197,13 +197,7 @@ _SOURCE = """
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="mlxspec_qmm_tensor_cores",
-        input_names=["x", "w", "scales", "biases", "dims"],
-        output_names=["y"],
-        header=_HEADER,
-        source=_SOURCE,
-    )
+    return quantized_matmul_kernel("mlxspec_qmm_tensor_cores", _HEADER, _SOURCE)
 
 
 def eligible(x_dtype, w: mx.array, scales: mx.array, biases, group_size: int, bits: int, mode: str) -> bool:

@@ -45,6 +45,13 @@ def switched_off():
             os.environ[ENV] = saved
 
 
+def quantized_matmul_kernel(name: str, header: str, source: str):
+    """A CUDA quantized matmul's kernel object: inputs x, w, scales, biases and dims (int32
+    sizes), output y. Built once by each caller (``functools.cache``)."""
+    return mx.fast.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases", "dims"],
+                               output_names=["y"], header=header, source=source)
+
+
 @functools.lru_cache(maxsize=1024)
 def int_array(*values: int) -> mx.array:
     """A small int32 array of kernel arguments (sizes), made once and kept: a new array per
