@@ -186,6 +186,19 @@ def test_tensor_core_qmm_matches_mlx(group_size, dtype):
            mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=4), TOL[dtype])
 
 
+def test_tensor_core_rows_do_not_depend_on_the_other_rows():
+    """A row's outputs are the same bits in a call of any width: a token's logits do not change
+    with how many rows its verify had."""
+    mx.random.seed(11)
+    N, K = 1000, 1536
+    w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(mx.bfloat16), group_size=64, bits=4)
+    x = mx.random.normal((32, K)).astype(mx.bfloat16)
+    full = qmm_tc.quantized_matmul(x, w, scales, biases, group_size=64)
+    for rows in (1, 5, 8, 9, 20):
+        part = qmm_tc.quantized_matmul(x[:rows], w, scales, biases, group_size=64)
+        assert mx.array_equal(part, full[:rows]).item(), rows
+
+
 def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs; 33
     rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""

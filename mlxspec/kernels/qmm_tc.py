@@ -1,10 +1,16 @@
 """Quantized matmul on tensor cores for a batch's verify: 9..32 rows, each 4-bit weight read once.
 
 A batch of B rows verifying k drafts each is a forward of B x (k + 1) rows (4 rows at depth 4:
-20). :mod:`.qmm`'s small-M kernel accumulates on the CUDA cores and stops at 8 rows; past that,
-MLX's matmul runs, which costs a verify of 16-24 rows about twice a 1-row step on the 8B shape
-(docs/benchmarks.md). Here each warp computes 16 x MT output columns for every row with
-``mma.sync.m16n8k16`` (bf16 or fp16 in, fp32 accumulated), the rows in tiles of 8.
+20). :mod:`.qmm`'s small-M kernel accumulates on the CUDA cores and stops at 8 rows; past that
+MLX's matmul ran, and a forward of the 8B shape cost 2.1x a 1-row forward at 12-16 rows and 2.7x
+at 20-32 (one H200; 1.5-1.7x with this kernel, docs/benchmarks.md). Here each warp computes
+16 x MT output columns for every row with ``mma.sync.m16n8k16`` (bf16 or fp16 in, fp32
+accumulated), the rows in tiles of 8. It beat the small-M kernel at 2..8 rows too, so quantized
+layers send it every 2..32-row verify its layout allows (:mod:`.qmm`).
+
+A row's outputs do not depend on the other rows (each output is its own dot product, and the
+K split depends on the matrix alone), so a token's logits are the same in a verify of any
+width.
 
 Terms: x is [M, K] (rows, input features), w is [N, K / 8] (4-bit, 8 values a uint32, lowest
 bits first, MLX's affine packing: value = scale * q + bias per group of GS along K), y is [M, N].
