@@ -163,6 +163,13 @@ def test_small_m_qmm_matches_mlx(bits, group_size, dtype):
            mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=bits), tol)
 
 
+def _reference(x, w, scales, biases, group_size, bits):
+    """MLX's dequantized weights times x in float32: the same numbers as ``mx.quantized_matmul``
+    without its CUTLASS kernels, which MLX compiles at first use (tens of seconds each)."""
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
+    return x.astype(mx.float32) @ dense.T
+
+
 @pytest.mark.parametrize("group_size,dtype", [(g, mx.bfloat16) for g in (32, 64, 128)] + [(64, mx.float16)])
 def test_tensor_core_qmm_matches_mlx(group_size, dtype):
     """At 1..32 rows (every count of 8-row tiles, a tile's first and last row), 16 and 32
@@ -177,13 +184,13 @@ def test_tensor_core_qmm_matches_mlx(group_size, dtype):
     cases += [(20, 2, 1), (24, 2, 8)]
     for rows, col_tiles, warps in cases:
         x = mx.random.normal((rows, K)).astype(dtype)
-        want = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=4)
+        want = _reference(x, w, scales, biases, group_size, 4)
         got = qmm_tc.quantized_matmul(x, w, scales, biases, group_size=group_size, col_tiles=col_tiles, warps=warps)
-        assert got.shape == want.shape and got.dtype == want.dtype
+        assert got.shape == want.shape and got.dtype == dtype
         _close(got, want, TOL[dtype])
     x3 = mx.random.normal((2, 10, K)).astype(dtype)  # leading axes fold into rows
     _close(qmm_tc.quantized_matmul(x3, w, scales, biases, group_size=group_size),
-           mx.quantized_matmul(x3, w, scales, biases, transpose=True, group_size=group_size, bits=4), TOL[dtype])
+           _reference(x3, w, scales, biases, group_size, 4), TOL[dtype])
 
 
 def test_tensor_core_rows_do_not_depend_on_the_other_rows():
@@ -200,8 +207,8 @@ def test_tensor_core_rows_do_not_depend_on_the_other_rows():
 
 
 def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
-    """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs; 33
-    rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
+    """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs (its
+    dequantized weights'); 33 rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
     mx.random.seed(3)
     layers = []
     for bits in (4, 8):
@@ -211,7 +218,8 @@ def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     model = nn.Sequential(*layers)
     monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
     xs = {rows: mx.random.normal((1, rows, 1536)).astype(mx.bfloat16) for rows in (4, 9, 20, 32, 33)}
-    want = {rows: [layer(x) for layer in model.layers] for rows, x in xs.items()}
+    want = {rows: [_reference(x, layer["weight"], layer["scales"], layer["biases"], 64, layer.bits)
+                   for layer in model.layers] for rows, x in xs.items()}
     assert qmm.install(model) == 2
     calls = []
     real = qmm_tc.quantized_matmul
