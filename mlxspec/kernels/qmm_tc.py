@@ -1,4 +1,4 @@
-"""Quantized matmul on tensor cores for a batch's verify: 9..32 rows, each 4-bit weight read once.
+"""Quantized matmul on tensor cores for a verify of 2..32 rows (a batch's too), each 4-bit weight read once.
 
 A batch of B rows verifying k drafts each is a forward of B x (k + 1) rows (4 rows at depth 4:
 20). :mod:`.qmm`'s small-M kernel accumulates on the CUDA cores and stops at 8 rows; past that
