@@ -9,8 +9,9 @@ sources compile, and that the fallback is mlx-lm's path).
   bit for bit, and its backward pass (the package's, and tests/gdn_grad.py's kernel) equals
   autodiff through mlx-lm's ops.
 - The small-M quantized matmul equals ``mx.quantized_matmul`` for 4/8 bits, groups 32/64/128,
-  1..8 rows, float32 and bfloat16; the tensor-core one (4-bit, bf16/fp16) at 1..32 rows, every
-  tile and split of K, and a swapped layer sends a batch's 9..32-row verify to it.
+  1..8 rows, float32 and bfloat16; the tensor-core one (4-bit, bf16/fp16) equals MLX's
+  dequantized weights times x at 1..32 rows, every tile and split of K, gives a row the same
+  bits at any call width, and a swapped layer sends its 2..32-row verifies to it.
 - On the trained mini-hybrid model, kernels on and off give the same greedy text, and
   temperature-0 speculation with the kernels is plain decoding with them (float32).
 - Verify attention equals a float64 NumPy reference (float32 to 1e-4; bf16/fp16 to 1e-2) and
