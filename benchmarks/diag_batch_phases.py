@@ -1,0 +1,86 @@
+"""Where a batch's step goes: host milliseconds a step in each phase of ``BatchedDecoder._decode``
+(drafting, reading drafts, building the target forward's graph, building the acceptance,
+queueing a plain step, committing, rolling back) and the step in all, for N requests of a real
+shape's scripted workload (as ``bench --real-shapes SHAPE --concurrency N``, without the stock
+process). "queue plain" includes building its own forward, which "forward (build)" counts
+too; what the other phases leave of a step is mostly waiting for the device.
+
+    python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
+        [--reps 3] [--max-tokens 128] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mlxspec.bench.real_concurrency import BATCHED, ConcurrencyBench
+from mlxspec.engine import batch, batch_cache
+
+# phase -> (owner, attribute): each is wrapped with a timer for the run
+PHASES = {
+    "draft": (batch, "draft_together"),
+    "read drafts": (batch.Row, "read"),
+    "forward (build)": (batch.BatchedDecoder, "_forward"),
+    "greedy accept (build)": (batch, "greedy_accept"),
+    "queue plain": (batch.BatchedDecoder, "_queue_plain"),
+    "commit": (batch.Row, "commit"),
+    "rollback": (batch_cache.RaggedCache, "rollback"),
+    "step": (batch.BatchedDecoder, "_decode"),
+}
+
+
+def timed(fn, name: str, spent: dict, calls: dict):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] += time.perf_counter() - t0
+            calls[name] += 1
+    return wrapper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--workload", default="echo")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                             workloads=[args.workload], requests=args.rows, stock=False)
+    out = {"shape": args.shape, "workload": args.workload, "rows": args.rows, "reps": []}
+    for rep in range(args.reps + 1):  # the first run warms up
+        spent, calls = defaultdict(float), defaultdict(int)
+        saved = {name: getattr(owner, attr) for name, (owner, attr) in PHASES.items()}
+        for name, (owner, attr) in PHASES.items():
+            setattr(owner, attr, timed(saved[name], name, spent, calls))
+        try:
+            t0 = time.perf_counter()
+            run = bench.run(BATCHED, args.workload, args.rows)
+            wall = time.perf_counter() - t0
+        finally:
+            for name, (owner, attr) in PHASES.items():
+                setattr(owner, attr, saved[name])
+        steps = max(calls["step"], 1)
+        cell = {"wall_s": round(wall, 3), "steps": calls["step"], "tokens": sum(len(t) for t in run.tokens),
+                "ms_per_step": {n: round(spent[n] / steps * 1e3, 3) for n in PHASES},
+                "calls": {n: calls[n] for n in PHASES}, "stats": run.stats}
+        if rep:
+            out["reps"].append(cell)
+        print(json.dumps(cell), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
