@@ -137,20 +137,13 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=position)
         k, v = self.keys_values(x, rope, position)
-        stored = context_length(cache)
+        stored = cache.size()  # context slots (a batch's: its longest row's, the others left-padded)
         if stored:
             k = mx.concatenate([cache.keys[..., :stored, :], k], axis=2)
             v = mx.concatenate([cache.values[..., :stored, :], v], axis=2)
         # the block attends to itself both ways: no causal mask
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-def context_length(cache: KVCache | BatchKVCache) -> int:
-    """Context slots CACHE holds (a batch's: its longest row's, the others left-padded)."""
-    if cache.keys is None:
-        return 0
-    return cache._idx if isinstance(cache, BatchKVCache) else cache.offset
 
 
 class DecoderLayer(nn.Module):
@@ -213,7 +206,7 @@ class DFlashDraftModel(nn.Module):
         hidden (B, S, H). Row b sees its own context (slots from its left padding on) and its
         whole block."""
         assert embedded.shape[0] == positions.shape[0], (embedded.shape, positions.shape)
-        stored, rows = context_length(cache[0]), embedded.shape[0]
+        stored, rows = cache[0].size(), embedded.shape[0]
         slots = mx.arange(stored + embedded.shape[1])
         padding = cache[0].left_padding if stored else mx.zeros((rows,), mx.int32)
         mask = (slots[None] >= padding[:, None])[:, None, None, :]  # (B, 1, 1, context + S)

@@ -202,7 +202,7 @@ def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx
     hidden = mx.stack([mx.pad(p[:n], [(0, width - n), (0, 0)]) for p, n in zip(pending, counts)])  # (B, W, H)
     merged = merged_caches([d.cache for d in drafters])
     layer = merged[0]  # a commit runs the head's first layer (step 0), as _commit does
-    start = layer._idx
+    start = layer.size()  # the merged rows' write index
     out = drafters[0].head.forward_rows(inputs, hidden, merged)  # (B, W, H)
     for j, (d, n) in enumerate(zip(drafters, counts)):
         d.cache[0].update_and_fetch(layer.keys[j : j + 1, :, start : start + n],
