@@ -223,8 +223,8 @@ def test_swap_sends_2_to_8_rows_to_the_kernel_and_falls_back_when_off(monkeypatc
     assert isinstance(mlp.layers[0], qmm.SmallMQuantizedLinear)
     assert isinstance(mlp.layers[2], qmm.SmallMQuantizedEmbedding)
     called = []
-    monkeypatch.setattr(qmm, "_matmul",
-                        lambda module, x: called.append(x.shape) or mx.zeros(x.shape[:-1] + (module.weight.shape[0],)))
+    monkeypatch.setattr(qmm, "_matmul", lambda module, x, kernel: called.append(x.shape)
+                        or mx.zeros(x.shape[:-1] + (module.weight.shape[0],)))
     for rows in (1, 2, 8, 9):
         mlp.layers[0](x[:, :rows])
     assert called == [(1, 2, 256), (1, 8, 256)]  # 1 row (decode) and 9 rows: MLX's
@@ -259,7 +259,7 @@ def test_a_shards_quantized_layers_swap_keep_their_collective_and_come_back(monk
     monkeypatch.setattr(mx.distributed, "all_sum",
                         lambda y, group=None: summed.append(y.shape) or all_sum(y, group=group))
 
-    def matmul(module, y):  # the kernel's place, filled by MLX's matmul (no CUDA here)
+    def matmul(module, y, kernel):  # the kernel's place, filled by MLX's matmul (no CUDA here)
         called.append(type(module))
         return mx.quantized_matmul(y, module["weight"], module["scales"], module["biases"], transpose=True,
                                    group_size=module.group_size, bits=module.bits)

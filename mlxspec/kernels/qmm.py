@@ -221,18 +221,18 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
 
 
-def _tensor_cores(module, x: mx.array, rows: int) -> bool:
-    return rows in TC_ROWS and module.tc_layout and x.dtype == module["scales"].dtype
-
-
-def _use(module, x: mx.array) -> bool:
+def _kernel_for(module, x: mx.array):
+    """The kernel X's rows take on MODULE: the tensor-core one, this module's, or None (MLX's
+    matmul). Decided once a call."""
+    if module["weight"].nbytes < MIN_WEIGHT_BYTES or not active():
+        return None
     rows = x.size // x.shape[-1]
-    return ((MIN_ROWS <= rows <= MAX_ROWS or _tensor_cores(module, x, rows))
-            and module["weight"].nbytes >= MIN_WEIGHT_BYTES and active())
+    if rows in TC_ROWS and module.tc_layout and x.dtype == module["scales"].dtype:
+        return qmm_tc.quantized_matmul
+    return quantized_matmul if MIN_ROWS <= rows <= MAX_ROWS else None
 
 
-def _matmul(module, x: mx.array) -> mx.array:
-    kernel = qmm_tc.quantized_matmul if _tensor_cores(module, x, x.size // x.shape[-1]) else quantized_matmul
+def _matmul(module, x: mx.array, kernel) -> mx.array:
     return kernel(x, module["weight"], module["scales"], module["biases"],
                   group_size=module.group_size, bits=module.bits)
 
@@ -241,9 +241,10 @@ class SmallMQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` that sends 2..32-row inputs to a kernel where one was faster."""
 
     def __call__(self, x):
-        if not _use(self, x):
+        kernel = _kernel_for(self, x)
+        if kernel is None:
             return super().__call__(x)
-        y = _matmul(self, x)
+        y = _matmul(self, x, kernel)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -251,7 +252,8 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose tied-output ``as_linear`` does the same."""
 
     def as_linear(self, x):
-        return _matmul(self, x) if _use(self, x) else super().as_linear(x)
+        kernel = _kernel_for(self, x)
+        return super().as_linear(x) if kernel is None else _matmul(self, x, kernel)
 
 
 class SmallMQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
@@ -259,9 +261,10 @@ class SmallMQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
     collective in the forward pass) with the kernel: a verify's matmul is local to the rank."""
 
     def __call__(self, x):
-        if not _use(self, x):
+        kernel = _kernel_for(self, x)
+        if kernel is None:
             return super().__call__(x)
-        y = _matmul(self, sum_gradients(self.group)(x))  # the identity forward, as mlx's layer
+        y = _matmul(self, sum_gradients(self.group)(x), kernel)  # the identity forward, as mlx's layer
         return y + self["bias"] if "bias" in self else y
 
 
@@ -270,9 +273,10 @@ class SmallMQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
     the ranks) with the kernel for the partial matmul; the all-sum stays mlx's, in its place."""
 
     def __call__(self, x):
-        if not _use(self, x):
+        kernel = _kernel_for(self, x)
+        if kernel is None:
             return super().__call__(x)
-        y = mx.distributed.all_sum(_matmul(self, x), group=self.group)
+        y = mx.distributed.all_sum(_matmul(self, x, kernel), group=self.group)
         return y + self["bias"] if "bias" in self else y
 
 
