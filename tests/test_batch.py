@@ -36,6 +36,7 @@ from mlxspec.errors import UsageError
 from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.options import ConstraintSpec
 from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
+from stream_helpers import drain
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
@@ -137,20 +138,6 @@ def test_rows_give_what_each_request_gives_alone(target, request, monkeypatch):
 
 
 GREEDY = [0, 1, 6, 7]  # REQUESTS at temperature 0 with nothing reading their rows: pld, none, pld, mtp
-
-
-def drain(streams, tokens=lambda chunk: chunk.tokens) -> list[list[int]]:
-    """Every stream's tokens (TOKENS of each item), one item from each in turn until all end."""
-    streams = list(streams)
-    got: list[list[int]] = [[] for _ in streams]
-    while any(s is not None for s in streams):
-        for j, stream in enumerate(streams):
-            item = next(stream, None) if stream is not None else None
-            if item is None:
-                streams[j] = None
-            else:
-                got[j].extend(tokens(item))
-    return got
 
 
 def run_together(spec, which: list[int]) -> list[list[int]]:

@@ -44,6 +44,7 @@ from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.models.mtp import load_mtp_head
 from mlxspec.models.mtp.head import MTPHead
 from mlxspec.options import ConstraintSpec
+from stream_helpers import drain_items
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
@@ -90,17 +91,11 @@ def in_one_batch(spec, requests, draft_together: bool = True) -> list[tuple[list
     kept, drafts made)."""
     batch = spec.batch(len(requests))
     batch.draft_together = draft_together
-    streams = [spec.stream_in(batch, p, reuse=False, **o) for p, o in requests]
-    got, last = [[] for _ in requests], [None] * len(requests)
-    while any(s is not None for s in streams):
-        for j, stream in enumerate(streams):
-            chunk = next(stream, None) if stream is not None else None
-            if chunk is None:
-                streams[j] = None
-            else:
-                got[j].extend(chunk.tokens)
-                last[j] = chunk.stats
-    return [(g, s.accepted, s.drafted) for g, s in zip(got, last)]
+    out = []
+    for chunks in drain_items(spec.stream_in(batch, p, reuse=False, **o) for p, o in requests):
+        stats = chunks[-1].stats
+        out.append(([t for c in chunks for t in c.tokens], stats.accepted, stats.drafted))
+    return out
 
 
 def together(spec, draft_together: bool = True) -> list[tuple[list[int], int, int]]:
