@@ -13,6 +13,7 @@ The kernels' numbers are checked on the GPU machine: tests/test_kernels_gpu.py.
 import os
 import shutil
 import subprocess
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -134,10 +135,26 @@ def test_kernels_are_off_without_cuda_or_when_switched_off(monkeypatch):
         assert not kernels.active()
         assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
     monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
+    monkeypatch.setattr(kernels.switch, "enabled", True)
     assert kernels.active()
-    monkeypatch.setenv(kernels.ENV, "0")
+    with kernels.switched_off():
+        assert not kernels.active() and os.environ[kernels.ENV] == "0"
+        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
+    assert kernels.active()
+    monkeypatch.setattr(kernels.switch, "enabled", False)  # MLXSPEC_KERNELS=0 when the process started
     assert not kernels.active()
-    assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
+
+
+def test_the_switch_reads_the_environment_once(monkeypatch):
+    """MLXSPEC_KERNELS is read when the kernels' module is imported (a fresh interpreter here),
+    not on every layer call: decoding on CUDA is host-bound and the read cost more than a call."""
+    code = "from mlxspec.kernels import switch; print(switch.enabled)"
+    for env, want in (("0", "False"), ("1", "True"), (None, "True")):
+        run_env = {k: v for k, v in os.environ.items() if k != kernels.ENV}
+        if env is not None:
+            run_env[kernels.ENV] = env
+        done = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == want, env
 
 
 def test_gated_delta_update_is_mlx_lms_off_cuda():
@@ -353,7 +370,7 @@ def test_attention_is_mlx_lms_off_cuda_or_switched_off(monkeypatch, L, Hkv, D):
             if env is None and kernels.cuda():
                 continue  # on CUDA the kernel runs: tests/test_kernels_gpu.py
             if env is not None:
-                monkeypatch.setenv(kernels.ENV, env)
+                monkeypatch.setattr(kernels.switch, "enabled", False)
                 monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
             got = attention.scaled_dot_product_attention(q, k, v, cache, scale=D**-0.5, mask=mask)
             assert mx.array_equal(got, want), (name, env)
@@ -370,7 +387,7 @@ def test_attention_dispatch(monkeypatch):
         return mx.zeros(q.shape, q.dtype)
 
     monkeypatch.setattr(attention, "active", lambda: True)
-    monkeypatch.setattr(attention, "verify_attention", recorder)
+    monkeypatch.setattr(attention, "attend", recorder)
     sdpa = attention.scaled_dot_product_attention
 
     def falls_back(q, k, v, cache, mask=None, sinks=None):

@@ -24,25 +24,57 @@ def cuda() -> bool:
     return _cuda_backend() and mx.default_device() == mx.gpu
 
 
+# ``MLXSPEC_KERNELS``, read when this module is imported. In a running process the kernels go
+# off and on with :func:`switched_off` (or by setting this flag): reading the environment on
+# every layer call cost more host time than some of the calls it guards.
+enabled = os.environ.get(ENV, "1") != "0"
+
+
 def active() -> bool:
-    """Use mlxspec's kernels now: on CUDA, unless ``MLXSPEC_KERNELS=0``. Read on every call,
-    so the switch also works on a model already loaded (the fallback is always there)."""
-    return os.environ.get(ENV, "1") != "0" and cuda()
+    """Use mlxspec's kernels now: on CUDA, unless switched off. Asked on every call, so the
+    switch also works on a model already loaded (the fallback is always there)."""
+    return enabled and cuda()
 
 
 @contextlib.contextmanager
 def switched_off():
-    """Run a block with the kernels off (``MLXSPEC_KERNELS=0``), then put the variable back
-    as it was: for timing the same model both ways."""
-    saved = os.environ.get(ENV)
+    """Run a block with the kernels off (and ``MLXSPEC_KERNELS=0``, for any process it starts),
+    then put both back as they were: for timing the same model both ways."""
+    global enabled
+    saved, saved_flag = os.environ.get(ENV), enabled
     os.environ[ENV] = "0"
+    enabled = False
     try:
         yield
     finally:
+        enabled = saved_flag
         if saved is None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = saved
+
+
+def compact(source: str) -> str:
+    """CUDA source without its // comments, indentation and blank lines. MLX copies a custom
+    kernel's whole source into every call's node, and a call's host time grew with its length
+    (docs/benchmarks.md): the comments stay in this package's files, not in the calls."""
+    lines = (_code_of(line).strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _code_of(line: str) -> str:
+    """LINE up to a // comment that is not inside a string literal."""
+    quoted, i = False, 0
+    while i < len(line):
+        if quoted and line[i] == "\\":
+            i += 2
+            continue
+        if line[i] == '"':
+            quoted = not quoted
+        elif not quoted and line.startswith("//", i):
+            return line[:i]
+        i += 1
+    return line
 
 
 def quantized_matmul_kernel(name: str, header: str, source: str):
