@@ -34,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as _base
 
 from ..compat import rebind
-from .switch import active
+from .switch import active, compact
 
 # mlx-lm's function, kept before anything rebinds the name: the fallback, and what install()
 # recognizes in a model's module.
@@ -337,6 +337,8 @@ _COMBINE = """
         out[(long long)row * D + lane * EPL + e] = static_cast<T>(acc[e] * inv);
     }
 """
+# what MLX gets: the code without its comments (every call's node carries a copy)
+_HEADER, _PARTIAL, _COMBINE = compact(_HEADER), compact(_PARTIAL), compact(_COMBINE)
 
 
 def partial_source(mask_kind: str) -> str:
@@ -356,24 +358,16 @@ def shared_bytes(head_dim: int) -> int:
 def _partial_kernel(mask_kind: str, head_dim: int):
     # One kernel object per head size: the shared memory size is fixed at construction.
     return mx.fast.cuda_kernel(
-        name=f"mlxspec_attn_partial_{mask_kind}",
-        input_names=partial_inputs(mask_kind),
-        output_names=["part_o", "part_m", "part_l"],
-        header=_HEADER,
-        source=partial_source(mask_kind),
+        name=f"mlxspec_attn_partial_{mask_kind}", input_names=partial_inputs(mask_kind),
+        output_names=["part_o", "part_m", "part_l"], header=_HEADER, source=partial_source(mask_kind),
         ensure_row_contiguous=False,  # the cache's K/V views are read in place
-        shared_memory=shared_bytes(head_dim),
-    )
+        shared_memory=shared_bytes(head_dim))
 
 
 @functools.cache
 def _combine_kernel():
-    return mx.fast.cuda_kernel(
-        name="mlxspec_attn_combine",
-        input_names=["part_o", "part_m", "part_l"],
-        output_names=["out"],
-        source=_COMBINE,
-    )
+    return mx.fast.cuda_kernel(name="mlxspec_attn_combine", input_names=["part_o", "part_m", "part_l"],
+                               output_names=["out"], source=_COMBINE)
 
 
 @functools.lru_cache(maxsize=64)
@@ -418,49 +412,53 @@ def verify_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask=N
     why = unsupported(q, k, v, mask)
     if why:
         raise ValueError(f"verify_attention: {why}")
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    kind = mask_kind(mask, (B, Hq, L, S))
+    return attend(q, k, v, scale, mask)
+
+
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    """:func:`verify_attention` on inputs already checked (the dispatcher's path)."""
+    qs, S = q.shape, k.shape[2]
+    array_mask = not (mask is None or isinstance(mask, str))
+    partial, template, blocks, grid_yz, rows, combine = _plan(qs, k.shape[1], q.dtype, mask if not array_mask
+                                                              else None, mask.dtype if array_mask else None)
     inputs = [q, k, v, _scalar(float(scale))]
-    template = [("T", q.dtype), ("D", D), ("NW", WARPS), ("QPW", QUERIES_PER_WARP)]
-    if kind in ("bool", "add"):
-        # a stride-0 view over the broadcast axes: the kernel reads it through its strides
-        inputs.append(mx.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, Hq, L, S)))
-        if kind == "add":
-            template.append(("MaskT", mask.dtype))
+    if array_mask:  # a stride-0 view over the broadcast axes: the kernel reads it through its strides
+        inputs.append(mx.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (*qs[:3], S)))
+    n = chunks(S, blocks)
+    parts = partial(inputs=inputs, template=template, grid=(32 * WARPS * n, *grid_yz), threadgroup=(32 * WARPS, 1, 1),
+                    output_shapes=[(rows, n, qs[3]), (rows, n), (rows, n)], output_dtypes=[mx.float32] * 3)
+    return _combine_kernel()(inputs=parts, output_shapes=[qs], output_dtypes=[q.dtype], **combine)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(qs: tuple, Hkv: int, dtype, mask: str | None, mask_dtype) -> tuple:
+    """What a verify's launches need that its key length does not change, made once a shape
+    (a verify pays for host time on CUDA): the pass-1 kernel, its template, blocks a key chunk,
+    grid y and z, output rows, and pass 2's launch."""
+    B, Hq, L, D = qs
+    kind = mask or ("none" if mask_dtype is None else "bool" if mask_dtype == mx.bool_ else "add")
+    template = [("T", dtype), ("D", D), ("NW", WARPS), ("QPW", QUERIES_PER_WARP)]
+    if kind == "add":
+        template.append(("MaskT", mask_dtype))
     q_tiles = -(-(Hq // Hkv) * L // QUERY_TILE)
-    n_chunks = chunks(S, q_tiles * B * Hkv)
     rows = B * Hq * L
-    part_o, part_m, part_l = _partial_kernel(kind, D)(
-        inputs=inputs,
-        template=template,
-        grid=(32 * WARPS * n_chunks, q_tiles, B * Hkv),
-        threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(rows, n_chunks, D), (rows, n_chunks), (rows, n_chunks)],
-        output_dtypes=[mx.float32] * 3,
-    )
-    (out,) = _combine_kernel()(
-        inputs=[part_o, part_m, part_l],
-        template=[("T", q.dtype), ("D", D)],
-        grid=(32 * rows, 1, 1),
-        threadgroup=(128, 1, 1),
-        output_shapes=[(B, Hq, L, D)],
-        output_dtypes=[q.dtype],
-    )
-    return out
+    combine = {"template": [("T", dtype), ("D", D)], "grid": (32 * rows, 1, 1), "threadgroup": (128, 1, 1)}
+    return _partial_kernel(kind, D), template, q_tiles * B * Hkv, (q_tiles, B * Hkv), rows, combine
 
 
 def unsupported(q, k, v, mask) -> str | None:
     """Why the kernel cannot take these inputs (None: it can); it has one T for all three."""
     if not all(isinstance(x, mx.array) and x.ndim == 4 for x in (q, k, v)):
         return "queries, keys and values must be 4-D arrays"
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if not 1 <= L <= MAX_ROWS or D not in HEAD_DIMS or Hq % Hkv or k.shape != v.shape \
-            or k.shape[0] != B or k.shape[3] != D or S < 1:
-        return f"unsupported shapes q {q.shape}, k {k.shape}, v {v.shape}"
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}"
+    qs, ks, vs = q.shape, k.shape, v.shape
+    B, Hq, L, D = qs
+    Hkv, S = ks[1], ks[2]
+    if not 1 <= L <= MAX_ROWS or D not in HEAD_DIMS or Hq % Hkv or ks != vs \
+            or ks[0] != B or ks[3] != D or S < 1:
+        return f"unsupported shapes q {qs}, k {ks}, v {vs}"
+    dtype = q.dtype
+    if dtype not in DTYPES or k.dtype != dtype or v.dtype != dtype:
+        return f"unsupported dtypes {dtype}, {k.dtype}, {v.dtype}"
     if mask_kind(mask, (B, Hq, L, S)) is None:
         return f"unsupported mask {mask!r}"
     return None
@@ -469,16 +467,17 @@ def unsupported(q, k, v, mask) -> str | None:
 def eligible(queries, keys, values, cache, mask, sinks) -> bool:
     """What the dispatcher sends to the kernel: inputs it takes, at least MIN_ROWS query rows
     (one row keeps MLX's decode kernel), plain float K/V (not a quantized cache), no sinks."""
-    if sinks is not None or hasattr(cache, "bits"):
+    if sinks is not None or hasattr(cache, "bits") or queries.shape[2] < MIN_ROWS:
         return False
-    return unsupported(queries, keys, values, mask) is None and queries.shape[2] >= MIN_ROWS
+    return unsupported(queries, keys, values, mask) is None
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's ``base.scaled_dot_product_attention`` (same signature): the kernel for a verify
-    step on CUDA, mlx-lm's own function for everything else and when the kernels are off."""
-    if active() and eligible(queries, keys, values, cache, mask, sinks):
-        return verify_attention(queries, keys, values, scale, mask)
+    step on CUDA, mlx-lm's own function for everything else and when the kernels are off.
+    Decode's one row is asked about first: it costs next to nothing more than mlx-lm's call."""
+    if queries.shape[2] >= MIN_ROWS and active() and eligible(queries, keys, values, cache, mask, sinks):
+        return attend(queries, keys, values, scale, mask)
     return _mlx_lm_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.models import gated_delta as _mlx_lm
 
 from ..compat import rebind
-from .switch import active, int_array
+from .switch import active, compact, int_array
 
 # Grid: x = the 32 lanes of a warp over Dk, y = value rows (ROWS warps a block), z = B * Hv.
 ROWS = 4
@@ -118,6 +118,8 @@ _STORE = """
             }
         }
 """
+# what MLX gets: the code without its comments (every call's node carries a copy)
+_SOURCE, _STORE = compact(_SOURCE), compact(_STORE)
 
 
 @functools.cache

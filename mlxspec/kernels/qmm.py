@@ -30,7 +30,7 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 
 from ..compat import swap_class
 from . import qmm_tc
-from .switch import active, int_array, quantized_matmul_kernel
+from .switch import active, compact, int_array, quantized_matmul_kernel
 
 
 def _max_rows(text: str | None) -> int:
@@ -168,6 +168,8 @@ _SOURCE = """
         }
     }
 """
+# what MLX gets: the code without its comments (every call's node carries a copy)
+_HEADER, _SOURCE = compact(_HEADER), compact(_SOURCE)
 
 COLS = 4  # output columns per warp
 
@@ -199,20 +201,27 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      group_size: int, bits: int) -> mx.array:
     """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` for x of at most
     :data:`MAX_ROWS` rows (all leading axes together)."""
-    K = x.shape[-1]
+    shape = x.shape
+    K = shape[-1]
     N = w.shape[0]
     rows = x.size // K
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"small-M quantized matmul takes 1..{MAX_ROWS} rows, got {rows}")
-    (y,) = _kernel()(
-        inputs=[x.reshape(rows, K), w, scales, biases, int_array(rows, K, N, group_size)],
-        template=[("Bits", bits), ("MaxM", _bucket(rows)), ("Cols", COLS), ("InT", x.dtype)],
-        grid=(32 * -(-N // COLS), 1, 1),
-        threadgroup=(32 * WARPS_PER_BLOCK, 1, 1),
-        output_shapes=[(rows, N)],
-        output_dtypes=[x.dtype],
-    )
-    return y.reshape(*x.shape[:-1], N)
+    launch, dims = _launch(rows, K, N, group_size, bits, x.dtype)
+    # x goes in with its own shape: the kernel reads it as [rows, K] (row-contiguous, which
+    # MLX ensures), and y comes out in x's leading shape, so no reshape node is built
+    (y,) = _kernel()(inputs=[x, w, scales, biases, dims], output_shapes=[(*shape[:-1], N)],
+                     output_dtypes=[x.dtype], **launch)
+    return y
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch(rows: int, K: int, N: int, group_size: int, bits: int, dtype) -> tuple[dict, mx.array]:
+    """A call's template, grid and block, and its dims array: made once a shape (host time a
+    call is what a verify pays for on CUDA)."""
+    launch = {"template": [("Bits", bits), ("MaxM", _bucket(rows)), ("Cols", COLS), ("InT", dtype)],
+              "grid": (32 * -(-N // COLS), 1, 1), "threadgroup": (32 * WARPS_PER_BLOCK, 1, 1)}
+    return launch, int_array(rows, K, N, group_size)
 
 
 # Rows the tensor-core kernel (:mod:`.qmm_tc`) takes where a layer's layout allows (4-bit, bf16
@@ -223,13 +232,16 @@ TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
 
 def _kernel_for(module, x: mx.array):
     """The kernel X's rows take on MODULE: the tensor-core one, this module's, or None (MLX's
-    matmul). Decided once a call."""
-    if module["weight"].nbytes < MIN_WEIGHT_BYTES or not active():
-        return None
+    matmul). Decided once a call, the row count first: decoding is host-bound on CUDA, so its
+    one row must cost next to nothing more than MLX's own layer (docs/benchmarks.md)."""
     rows = x.size // x.shape[-1]
-    if rows in TC_ROWS and module.tc_layout and x.dtype == module["scales"].dtype:
+    wide = rows in TC_ROWS
+    small = MIN_ROWS <= rows <= MAX_ROWS
+    if not (wide or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
+        return None
+    if wide and module.tc_layout and x.dtype == module.kernel_dtype:
         return qmm_tc.quantized_matmul
-    return quantized_matmul if MIN_ROWS <= rows <= MAX_ROWS else None
+    return quantized_matmul if small else None
 
 
 def _matmul(module, x: mx.array, kernel) -> mx.array:
@@ -298,6 +310,9 @@ def install(model: nn.Module) -> int:
                         module.group_size, module.bits, getattr(module, "mode", "affine")):
             continue
         swap_class(module, cls)
+        # plain attributes, read on every call without an array's bindings
+        module.weight_bytes = module["weight"].nbytes
+        module.kernel_dtype = module["scales"].dtype
         module.tc_layout = qmm_tc.eligible(module["scales"].dtype, module["weight"], module["scales"],
                                            module.get("biases"), module.group_size, module.bits,
                                            getattr(module, "mode", "affine"))
