@@ -505,3 +505,35 @@ def test_import_raises_the_cuda_graph_cache_unless_set():
     env["MLX_CUDA_GRAPH_CACHE_SIZE"] = "123"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "123"
+
+
+def test_decode_asks_nothing_of_the_switch(monkeypatch):
+    """Decoding on CUDA is host-bound: a 1-row call through a swapped layer or the attention
+    dispatcher must not even ask whether the kernels are on (a planted `active()` first, as
+    before, fails here); 2 rows ask once each."""
+    asked = []
+    monkeypatch.setattr(qmm, "active", lambda: asked.append("qmm") or False)
+    monkeypatch.setattr(attention, "active", lambda: asked.append("attention") or False)
+    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
+    layer = nn.Linear(256, 64, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    assert qmm.install(mlp) == 1
+    q, k, v, cache = _qkv(L=1, dtype=mx.bfloat16)
+    mlp.layers[0](mx.zeros((1, 1, 256), mx.bfloat16))
+    attention.scaled_dot_product_attention(q, k, v, cache, scale=0.125, mask=None)
+    assert asked == []
+    mlp.layers[0](mx.zeros((1, 2, 256), mx.bfloat16))
+    q, k, v, cache = _qkv(L=2, dtype=mx.bfloat16)
+    attention.scaled_dot_product_attention(q, k, v, cache, scale=0.125, mask="causal")
+    assert asked == ["qmm", "attention"]
+
+
+def test_kernel_sources_reach_mlx_without_comments():
+    """What MLX copies into every call's node is code only; a // inside a string stays."""
+    from mlxspec.kernels.switch import compact
+
+    assert compact('  // gone\n\n   int a = 1;  // gone too\n asm("x // kept" : "+f"(c));\n') == \
+        'int a = 1;\nasm("x // kept" : "+f"(c));\n'
+    for src in (qmm._SOURCE, qmm_tc._HEADER, qmm_tc._SOURCE, attention.partial_source("causal"), gdn._SOURCE):
+        assert compact(src) == src  # already compact: no comment, indentation or blank line left
