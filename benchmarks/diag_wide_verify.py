@@ -10,15 +10,22 @@
 2. Whole forwards of the model at widths 1..32, round-robin over ``--policies``: ``mlx`` (2..8
    rows on the small-M kernel, more on MLX's matmul), ``small-m`` (2..8 on the small-M kernel,
    9..32 on the tensor-core kernel) and ``tc`` (2..32 on the tensor-core kernel, the default);
-   milliseconds a synchronous forward over a ~600-token cache, median of the rounds.
+   milliseconds a synchronous forward over a ~600-token cache, median of the rounds, and of
+   building its graph alone (``build_ms``: the host's share, before anything runs). ``tc1``
+   also sends decode's 1 row to the tensor-core kernel; ``off`` runs with every mlxspec kernel
+   switched off (MLX's own, as stock; its 2+ rows pay MLX's attention graph builds).
+3. ``--decode N``: plain decoding as users run it (mlx-lm's pipelined ``generate_step``, the
+   next token's forward queued before the current one is read) under each policy, N tokens
+   after a 512-token prompt, round-robin; tokens/s a round, median and quartiles.
 
     python benchmarks/diag_wide_verify.py [--shape qwen3-8b] [--rounds 15] [--skip-matmuls]
-        [--policies mlx,small-m,tc] [--json OUT]
+        [--policies mlx,small-m,tc,tc1] [--decode N] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -28,16 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.bench.synthetic import random_model, vocab_size
 from mlxspec.kernels import qmm, qmm_tc
+from mlxspec.kernels.switch import switched_off
 
 ROWS = (1, 2, 4, 8, 9, 12, 16, 20, 24, 32)
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32)
 # policy -> the rows the tensor-core kernel takes (the small-M kernel takes 2..8 rows it does not)
 POLICIES = {"mlx": range(0), "small-m": range(qmm.MAX_ROWS + 1, qmm_tc.MAX_ROWS + 1),
-            "tc": range(qmm.MIN_ROWS, qmm_tc.MAX_ROWS + 1)}
+            "tc": range(qmm.MIN_ROWS, qmm_tc.MAX_ROWS + 1), "tc1": range(1, qmm_tc.MAX_ROWS + 1), "off": range(0)}
 CALLS, COPIES = 48, 6
 
 
@@ -90,6 +99,7 @@ def _call(name: str, layer, x, w, s, b):
 def time_forwards(model, vocab: int, rounds: int, policies: dict) -> dict:
     saved = qmm.TC_ROWS
     caches, times = {}, {p: {L: [] for L in WIDTHS} for p in policies}
+    builds = {p: {L: [] for L in WIDTHS} for p in policies}
     for p in policies:
         caches[p] = make_prompt_cache(model)
         mx.eval(model(mx.random.randint(0, vocab, (1, 512)), cache=caches[p]))
@@ -99,10 +109,14 @@ def time_forwards(model, vocab: int, rounds: int, policies: dict) -> dict:
         for p, rows in policies.items():
             qmm.TC_ROWS = rows
             for L in WIDTHS:
-                t0 = time.perf_counter()
-                mx.eval(model(toks[L], cache=caches[p]))
+                with switched_off() if p == "off" else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    logits = model(toks[L], cache=caches[p])
+                    t1 = time.perf_counter()  # the graph is built (host work), nothing has run
+                    mx.eval(logits)
                 if r >= 2:
                     times[p][L].append((time.perf_counter() - t0) * 1e3)
+                    builds[p][L].append((t1 - t0) * 1e3)
             for c in caches[p]:
                 if getattr(c, "offset", 0) > 700 and c.is_trimmable():
                     c.trim(c.offset - 600)
@@ -112,7 +126,35 @@ def time_forwards(model, vocab: int, rounds: int, policies: dict) -> dict:
         med = {L: statistics.median(v) for L, v in d.items()}
         out[p] = {f"ms_{L}": round(m, 3) for L, m in med.items()}
         out[p].update({f"ratio_{L}": round(med[L] / med[1], 3) for L in WIDTHS[1:]})
+        out[p].update({f"build_ms_{L}": round(statistics.median(v), 3) for L, v in builds[p].items()})
     return out
+
+
+def time_decode(model, vocab: int, rounds: int, policies: dict, tokens: int) -> dict:
+    """Pipelined plain decoding (mlx-lm's generate_step, greedy) under each policy, round-robin:
+    tokens/s of the TOKENS after the first, per round."""
+    saved = qmm.TC_ROWS
+    prompt = mx.random.randint(0, vocab, (512,))
+    rates, outs = {p: [] for p in policies}, {}
+    for r in range(rounds + 1):  # a warm-up round
+        for p, rows in policies.items():
+            qmm.TC_ROWS = rows
+            with switched_off() if p == "off" else contextlib.nullcontext():
+                steps = generate_step(prompt, model, max_tokens=tokens + 1, prompt_cache=make_prompt_cache(model))
+                outs[p] = [next(steps)[0]]
+                t0 = time.perf_counter()
+                outs[p] += [tok for tok, _ in steps]
+            if r:
+                rates[p].append(tokens / (time.perf_counter() - t0))
+    qmm.TC_ROWS = saved
+    ref = outs[next(iter(policies))]
+    res = {}
+    for p, v in rates.items():
+        q = statistics.quantiles(v, n=4)
+        same = next((i for i, (a, b) in enumerate(zip(ref, outs[p])) if a != b), None)
+        res[p] = {"tok_s": round(statistics.median(v), 2), "tok_s_iqr": [round(q[0], 2), round(q[2], 2)],
+                  "reps": [round(x, 2) for x in v], "first_token_unlike_first_policy": same}
+    return res
 
 
 def main() -> None:
@@ -122,6 +164,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-matmuls", action="store_true")
     ap.add_argument("--policies", default="mlx,small-m,tc", help=f"of {', '.join(POLICIES)}")
+    ap.add_argument("--decode", type=int, default=0, help="also time pipelined decoding of N tokens")
+    ap.add_argument("--skip-forwards", action="store_true")
     args = ap.parse_args()
     model = random_model(args.shape, bits=4)
     res = {"shape": args.shape, "device": mx.device_info().get("device_name"), "rounds": args.rounds,
@@ -133,9 +177,14 @@ def main() -> None:
                 res["matmuls"][key][rows] = cell = time_matmuls(layer, rows, 5)
                 print(args.shape, key, rows, json.dumps(cell), flush=True)
     policies = {name: POLICIES[name] for name in args.policies.split(",")}
-    res["forwards"] = time_forwards(model, vocab_size(args.shape), args.rounds, policies)
-    for p, d in res["forwards"].items():
-        print("forward", p, json.dumps(d), flush=True)
+    if not args.skip_forwards:
+        res["forwards"] = time_forwards(model, vocab_size(args.shape), args.rounds, policies)
+        for p, d in res["forwards"].items():
+            print("forward", p, json.dumps(d), flush=True)
+    if args.decode:
+        res["decode"] = time_decode(model, vocab_size(args.shape), args.rounds, policies, args.decode)
+        for p, d in res["decode"].items():
+            print("decode", p, json.dumps(d), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 
