@@ -43,9 +43,10 @@ def _max_rows(text: str | None) -> int:
 # rows is wider (4 rows of 5 tokens: 20); MLXSPEC_QMM_MAX_ROWS=16 sends 9-16 rows here too (an
 # experiment, docs/benchmarks.md: not the default until measured on every shape).
 MAX_ROWS = _max_rows(os.environ.get("MLXSPEC_QMM_MAX_ROWS"))
-# Decode (1 row) keeps MLX's kernel, so plain decoding is stock MLX's, bit for bit: the kernel
-# timed faster alone at 1 row on the large shapes, but no whole 1-token forward got measurably
-# faster with it (run-to-run spread: 10-15%).
+# Decode (1 row) keeps MLX's kernel, so plain decoding is stock MLX's, bit for bit. Both our
+# kernels are faster than MLX's alone on the GPU at 1 row, but decoding on CUDA is host-bound and
+# a custom kernel's call costs the host more: the tensor-core one made pipelined decoding 0.72x
+# as fast (docs/benchmarks.md).
 MIN_ROWS = 2
 # A small matrix stays on MLX's matmul: reading it once per row costs less than the host time of
 # a custom kernel's call.
