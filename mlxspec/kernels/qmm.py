@@ -250,7 +250,16 @@ def _matmul(module, x: mx.array, kernel) -> mx.array:
                   group_size=module.group_size, bits=module.bits)
 
 
-class SmallMQuantizedLinear(nn.QuantizedLinear):
+class KernelRoute:
+    """What :func:`install` sets on a swapped layer, read on every call; a layer swapped without
+    it (``compat.swap_class`` alone) keeps these defaults and always runs MLX's matmul."""
+
+    weight_bytes = 0
+    kernel_dtype = None
+    tc_layout = False
+
+
+class SmallMQuantizedLinear(KernelRoute, nn.QuantizedLinear):
     """``nn.QuantizedLinear`` that sends 2..32-row inputs to a kernel where one was faster."""
 
     def __call__(self, x):
@@ -261,7 +270,7 @@ class SmallMQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
+class SmallMQuantizedEmbedding(KernelRoute, nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose tied-output ``as_linear`` does the same."""
 
     def as_linear(self, x):
@@ -269,7 +278,7 @@ class SmallMQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if kernel is None else _matmul(self, x, kernel)
 
 
-class SmallMQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
+class SmallMQuantizedAllToShardedLinear(KernelRoute, QuantizedAllToShardedLinear):
     """A tensor-parallel target's column-split layer (mlx's: this rank's slice of the outputs, no
     collective in the forward pass) with the kernel: a verify's matmul is local to the rank."""
 
@@ -281,7 +290,7 @@ class SmallMQuantizedAllToShardedLinear(QuantizedAllToShardedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
-class SmallMQuantizedShardedToAllLinear(QuantizedShardedToAllLinear):
+class SmallMQuantizedShardedToAllLinear(KernelRoute, QuantizedShardedToAllLinear):
     """A tensor-parallel target's row-split layer (mlx's: a partial matmul, then the all-sum over
     the ranks) with the kernel for the partial matmul; the all-sum stays mlx's, in its place."""
 
