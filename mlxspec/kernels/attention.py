@@ -465,18 +465,19 @@ def unsupported(q, k, v, mask) -> str | None:
 
 
 def eligible(queries, keys, values, cache, mask, sinks) -> bool:
-    """What the dispatcher sends to the kernel: inputs it takes, at least MIN_ROWS query rows
-    (one row keeps MLX's decode kernel), plain float K/V (not a quantized cache), no sinks."""
-    if sinks is not None or hasattr(cache, "bits") or queries.shape[2] < MIN_ROWS:
+    """What the dispatcher sends to the kernel: at least MIN_ROWS query rows (one row keeps
+    MLX's decode kernel, and is asked about first: it costs next to nothing more than mlx-lm's
+    call), plain float K/V (not a quantized cache), no sinks, the kernels active, and inputs
+    the kernel takes."""
+    if queries.shape[2] < MIN_ROWS or sinks is not None or hasattr(cache, "bits") or not active():
         return False
     return unsupported(queries, keys, values, mask) is None
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's ``base.scaled_dot_product_attention`` (same signature): the kernel for a verify
-    step on CUDA, mlx-lm's own function for everything else and when the kernels are off.
-    Decode's one row is asked about first: it costs next to nothing more than mlx-lm's call."""
-    if queries.shape[2] >= MIN_ROWS and active() and eligible(queries, keys, values, cache, mask, sinks):
+    step on CUDA, mlx-lm's own function for everything else and when the kernels are off."""
+    if eligible(queries, keys, values, cache, mask, sinks):
         return attend(queries, keys, values, scale, mask)
     return _mlx_lm_sdpa(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 

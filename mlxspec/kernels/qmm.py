@@ -30,7 +30,7 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear, QuantizedShar
 
 from ..compat import swap_class
 from . import qmm_tc
-from .switch import active, compact, int_array, quantized_matmul_kernel
+from .switch import active, compact, int_array, quantized_matmul_kernel, run_quantized_matmul
 
 
 def _max_rows(text: str | None) -> int:
@@ -202,18 +202,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
                      group_size: int, bits: int) -> mx.array:
     """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` for x of at most
     :data:`MAX_ROWS` rows (all leading axes together)."""
-    shape = x.shape
-    K = shape[-1]
-    N = w.shape[0]
-    rows = x.size // K
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"small-M quantized matmul takes 1..{MAX_ROWS} rows, got {rows}")
-    launch, dims = _launch(rows, K, N, group_size, bits, x.dtype)
-    # x goes in with its own shape: the kernel reads it as [rows, K] (row-contiguous, which
-    # MLX ensures), and y comes out in x's leading shape, so no reshape node is built
-    (y,) = _kernel()(inputs=[x, w, scales, biases, dims], output_shapes=[(*shape[:-1], N)],
-                     output_dtypes=[x.dtype], **launch)
-    return y
+    return run_quantized_matmul(_kernel, x, w, scales, biases, max_rows=MAX_ROWS, name="small-M quantized matmul",
+                                plan=lambda rows, K, N: _launch(rows, K, N, group_size, bits, x.dtype))
 
 
 @functools.lru_cache(maxsize=1024)

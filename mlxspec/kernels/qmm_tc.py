@@ -34,7 +34,7 @@ import functools
 
 import mlx.core as mx
 
-from .switch import compact, int_array, quantized_matmul_kernel
+from .switch import compact, int_array, quantized_matmul_kernel, run_quantized_matmul
 
 BITS = 4
 GROUP_SIZES = (32, 64, 128)
@@ -234,18 +234,9 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     :data:`MAX_ROWS` rows (all leading axes together), on tensor cores."""
     if bits != BITS:
         raise ValueError(f"the tensor-core kernel takes {BITS}-bit weights, got {bits}")
-    shape = x.shape
-    K = shape[-1]
-    N = w.shape[0]
-    rows = x.size // K
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"tensor-core quantized matmul takes 1..{MAX_ROWS} rows, got {rows}")
-    launch, dims = _launch(rows, K, N, group_size, x.dtype, col_tiles, warps)
-    # x goes in with its own shape: the kernel reads it as [rows, K] (row-contiguous, which
-    # MLX ensures), and y comes out in x's leading shape, so no reshape node is built
-    (y,) = _kernel()(inputs=[x, w, scales, biases, dims], output_shapes=[(*shape[:-1], N)],
-                     output_dtypes=[x.dtype], **launch)
-    return y
+    return run_quantized_matmul(_kernel, x, w, scales, biases, max_rows=MAX_ROWS,
+                                name="tensor-core quantized matmul",
+                                plan=lambda rows, K, N: _launch(rows, K, N, group_size, x.dtype, col_tiles, warps))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -84,6 +84,25 @@ def quantized_matmul_kernel(name: str, header: str, source: str):
                                output_names=["y"], header=header, source=source)
 
 
+def run_quantized_matmul(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
+                         max_rows: int, name: str, plan) -> mx.array:
+    """y = x @ dequantized(w).T by ``kernel()`` (a cached :func:`quantized_matmul_kernel`, built
+    after the rows are checked) for x of 1..MAX_ROWS rows (all leading axes together).
+    ``plan(rows, K, N)`` gives the call's launch keywords (template, grid, threadgroup) and its
+    dims array. x goes in with its own shape: the kernel reads it as [rows, K] (row-contiguous,
+    which MLX ensures), and y comes out in x's leading shape, so no reshape node is built."""
+    shape = x.shape
+    K = shape[-1]
+    N = w.shape[0]
+    rows = x.size // K
+    if not 1 <= rows <= max_rows:
+        raise ValueError(f"{name} takes 1..{max_rows} rows, got {rows}")
+    launch, dims = plan(rows, K, N)
+    (y,) = kernel()(inputs=[x, w, scales, biases, dims], output_shapes=[(*shape[:-1], N)],
+                    output_dtypes=[x.dtype], **launch)
+    return y
+
+
 @functools.lru_cache(maxsize=1024)
 def int_array(*values: int) -> mx.array:
     """A small int32 array of kernel arguments (sizes), made once and kept: a new array per
