@@ -6,11 +6,11 @@ It joins the pieces in one direction: resolve + load the model (``models``), bui
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
+from .api_costs import MeasuredCosts
 from .engine.batch import BatchedDecoder, RowPlan
 from .engine.batch_cache import batch_refusal
 from .engine.drafters.registry import check_drafter, resolve_drafter
@@ -29,7 +29,6 @@ from .options import (  # noqa: F401
     DEFAULT_PROMPT_CACHE_BYTES,
     DRAFTERS,
     MODEL_DRAFTERS,
-    VERIFY_COST_BUDGET_S,
     ConstraintSpec,
 )
 
@@ -39,10 +38,9 @@ from .request import Chunk, GenerationRequest, Result  # noqa: F401
 # drafters whose rows share a batched forward (engine/batch.py; DFlash as chains); the
 # assistant reads the target's own cache: served alone
 BATCH_DRAFTERS = ("pld", "none", "mtp", "draft", "dflash")
-DRAFTER_PARTS = {"draft": "draft model", "mtp": "MTP head", "assistant": "Gemma-4 assistant"}
 
 
-class SpecModel:
+class SpecModel(MeasuredCosts):
     """A loaded target (plus optional draft model) ready to generate speculatively."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
@@ -59,51 +57,6 @@ class SpecModel:
         self._fixed: bool | None = None  # see _fixed_state
         self._grammar_tokenizer = None  # llguidance's view of the vocabulary, built on first use
         self._batch_refusal: tuple[str] | None = None  # why the target cannot batch ("": it can)
-
-    def verify_cost(self, on_status: Callable[[str], None] | None = None):
-        """Measured cost of verifying 1..16 tokens with this model: the curve stored for this
-        machine and model (by `mlxspec tune` or an earlier run), else measured now within
-        VERIFY_COST_BUDGET_S, announced to ON_STATUS with its progress, and stored for the next runs."""
-        if self._cost is None:
-            from .tuning.storage import stored_cost
-
-            self._cost = stored_cost(self.target)
-        if self._cost is None:
-            from .engine.costs import measure_verify_cost
-            from .tuning.storage import save_cost
-
-            label = "measuring this machine's verify cost (once per model, then stored)"
-            if on_status:
-                on_status(label)
-
-            started = time.perf_counter()
-
-            def progress(done: int, total: int) -> None:  # forwards done, or the time spent
-                share = max(done / total, (time.perf_counter() - started) / VERIFY_COST_BUDGET_S)
-                on_status(f"{label}: {min(100, int(100 * share))}%")
-
-            self._cost = measure_verify_cost(self.target.model, vocab=self.target.vocab_size,
-                                             budget_s=VERIFY_COST_BUDGET_S,
-                                             on_progress=progress if on_status else None)
-            save_cost(self.target, self._cost)
-        return self._cost
-
-    def draft_cost(self, drafter: str, on_status: Callable[[str], None] | None = None) -> float:
-        """One step of ``drafter`` ("draft", "mtp" or "assistant") relative to one target forward, timed
-        now (once per load, announced to ON_STATUS) and added to the stored record. The weight
-        bytes guess the drafters fall back on missed by 4x: a Qwen3-0.6B-shaped draft step
-        cost 0.6 of a Qwen3-8B-shaped forward on CUDA against 0.15 by bytes, and the gates kept
-        a draft model that ran at 0.58x plain."""
-        if drafter not in self._draft_costs:
-            from .tuning.measure import draft_step_cost
-            from .tuning.storage import save_draft_cost
-
-            if on_status:
-                on_status(f"timing the {DRAFTER_PARTS.get(drafter, drafter)} (once per model)")
-            cost = draft_step_cost(self, drafter, context=128, reps=3)
-            self._draft_costs[drafter] = cost
-            save_draft_cost(self.target, drafter, cost, self.draft)
-        return self._draft_costs[drafter]
 
     def mtp_head(self):
         """The checkpoint's native MTP head (read on first use), or None; and why not."""
@@ -241,7 +194,7 @@ class SpecModel:
         r = r if group is None else agreed(r, group)  # sharded: all ranks draw alike, prefill feeds the watchdog
         prompt_ids, max_tokens, checkpoints = self._prepare(prompt, r)
         rules, logprobs = self._rules(r)
-        steps = self._decoder(r, timed).generate(
+        steps = self._decoder(r, timed, len(prompt_ids) + max_tokens).generate(
             prompt_ids,
             sampling=r.sampling,
             max_tokens=max_tokens,
@@ -329,9 +282,10 @@ class SpecModel:
             updates.close()
             batch.remove(row)
 
-    def _decoder(self, request: GenerationRequest, timed: bool | None = None) -> SpeculativeDecoder:
+    def _decoder(self, request: GenerationRequest, timed: bool | None = None, horizon: int = 0) -> SpeculativeDecoder:
         """The engine for REQUEST's drafter and depth, with this machine's measured costs (not
-        when TIMED is False; None: unless REQUEST is seeded)."""
+        when TIMED is False; None: unless REQUEST is seeded), for a request that may reach
+        HORIZON tokens of context."""
         drafter = request.drafter
         head, why_not = self.mtp_head() if drafter in ("auto", "mtp") else (None, None)
         if drafter == "mtp" and head is None:
@@ -356,7 +310,7 @@ class SpecModel:
             self._shared = measure_shared(self, name, trees, self._shared, request.on_status)
             cost, draft_cost = self._shared.cost, self._shared.draft_cost.get(name)
         elif timed:
-            cost = self.verify_cost(request.on_status)
+            cost = self.verify_cost(request.on_status, horizon)
             from .tuning.storage import stored_draft_cost
 
             # `mlxspec tune` or an earlier run timed this drafter's step here
@@ -377,18 +331,6 @@ class SpecModel:
             draft_cost=draft_cost,
             tree=request.tree,
         )
-
-    def _measure_tree_factor(self, cost, on_status) -> None:
-        """Time tree forwards against chain verifies once per model, kept in the stored record."""
-        from .engine.costs import measure_tree_factor
-        from .tuning.storage import save_tree_factor
-
-        if on_status:
-            on_status("timing draft-tree verifies (once per model)")
-        factor = measure_tree_factor(self.target.model, vocab=self.target.vocab_size)
-        if factor is not None:
-            cost.tree_factor = factor
-            save_tree_factor(self.target, factor)
 
     def _tuned(self, request: GenerationRequest, name: str, head) -> tuple[str, int | None]:
         """What `mlxspec tune` stored for this machine and model decides: ``auto``'s drafter

@@ -52,6 +52,11 @@ MAX_SEED = 2**63 - 1  # the largest seed mx.random.seed takes
 # seconds a run may spend measuring this machine's verify cost before its first answer (once per
 # model, then stored): a slow machine measures fewer widths (`mlxspec tune` measures them all)
 VERIFY_COST_BUDGET_S = 2.0
+# ... and how it grows with the context, measured on the first request whose prompt and answer
+# may reach CONTEXT_COST_FROM tokens (api_costs.py): forwards over caches padded to 4K and 16K
+# tokens; a shorter request reads the curve as timed (`mlxspec tune` measures both, longer)
+VERIFY_CONTEXT_BUDGET_S = 2.0
+CONTEXT_COST_FROM = 2048
 
 # earlier conversations' caches kept for prefix reuse (--prompt-cache-bytes)
 DEFAULT_PROMPT_CACHE_SIZE = "2GiB"

@@ -131,7 +131,9 @@ class ShapeBench:
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None, stock: bool = True):
         from ..engine.cache import model_nbytes
+        from ..engine.context_cost import measure_context_cost
         from ..engine.costs import measure_tree_factor, measure_verify_cost
+        from ..options import CONTEXT_COST_FROM, VERIFY_CONTEXT_BUDGET_S
         from .script import ScriptedLogits, make_script
         from .stock import StockBaseline, build_beside
         from .synthetic import MOE, dflash_step_ms, random_model, shape_config, tree_ms, vocab_size
@@ -162,6 +164,10 @@ class ShapeBench:
         self.draft_logits = ScriptedLogits(self.draft, [0]) if self.draft is not None else None
         say(f"{shape}: measuring the verify-cost curve (as `run` does)")
         self.cost = measure_verify_cost(self.model, vocab=vocab)
+        if prompt_tokens + max_tokens >= CONTEXT_COST_FROM:  # as `run` does for such a request
+            say(f"{shape}: measuring how the verify cost grows with the context (as `run` does)")
+            measure_context_cost(self.model, self.cost, self.cost.context, vocab=vocab,
+                                 budget_s=VERIFY_CONTEXT_BUDGET_S)
         say(f"{shape}: timing forwards over a growing cache")
         self.forward = forward_ms(self.model, range(2, widest + 1), prompt_tokens, reps, vocab)
         self.draft_step_ms = {"mlxspec-pld": 0.0}

@@ -179,6 +179,7 @@ class Row:
         remaining = self.output.remaining
         if self.drafter is None or remaining <= 1:
             return Step()
+        self.gate.at_context(len(self.tokens))
         if self.queued_plain:  # a plain step in flight: a due probe goes beside it, as alone
             if self.gate.probes_in_flight and probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
                 self.stats.probes += 1

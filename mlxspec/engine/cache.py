@@ -213,6 +213,37 @@ class ModelState:
             return None
         return mx.concatenate(hidden) if hidden else None
 
+    def pad(self, n: int) -> bool:
+        """Append N placeholder positions (zeros) to every attention cache, as if N more tokens
+        had been prefilled: a forward then costs what it would at that context, without the
+        prefill (costs at a long context are timed so). Recurrent state is left as it is (its
+        cost does not grow with the context); a sliding window takes at most its window at a
+        time, as a chunked prefill feeds it. False, with nothing changed, where a cache is of
+        another kind (a quantized one) or empty (no forward has shown its shape yet)."""
+        kv = self._trimmable + self._rotating
+        if n <= 0:
+            return True
+        if any(type(c) not in (KVCache, RotatingKVCache) or c.keys is None for c in kv):
+            return False
+        for c in kv:
+            b, heads, _, dk = c.keys.shape
+            dv = c.values.shape[-1]
+            chunk = n if type(c) is KVCache else max(1, min(n, c.max_size))
+            for done in range(0, n, chunk):
+                m = min(chunk, n - done)
+                c.update_and_fetch(mx.zeros((b, heads, m, dk), c.keys.dtype),
+                                   mx.zeros((b, heads, m, dv), c.values.dtype))
+        mx.eval([c.state for c in kv])
+        self.length += n
+        self._segments.clear()
+        return True
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one more token of context adds to the attention caches (a sliding window's
+        none: it stops growing); 0 before a first forward or with no attention cache."""
+        return sum((c.keys.shape[1] * c.keys.shape[3] + c.values.shape[1] * c.values.shape[3]) * c.keys.dtype.size
+                   for c in self._trimmable if type(c) is KVCache and c.keys is not None)
+
     def forward(self, tokens: mx.array, rollback: bool = True, whole: bool = False) -> mx.array:
         """Feed ``tokens`` (1-D); returns logits (n, V). With ``rollback`` the feed can be undone;
         ``whole``: it is undone whole or not at all (a queued verify)."""

@@ -18,6 +18,7 @@ from .cache import ModelState
 from .gates import CostModel
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # verify widths of depths 0-8, then sparser
+CURVE_CONTEXT = 128  # tokens in the cache the curve is timed over (a stored curve's, if it does not say)
 
 
 class Budget:
@@ -30,6 +31,10 @@ class Budget:
 
     def fits(self, seconds: float) -> bool:
         return self.end is None or time.perf_counter() + seconds <= self.end
+
+    def left(self) -> float | None:
+        """Seconds still to spend (None: unbounded)."""
+        return None if self.end is None else max(0.0, self.end - time.perf_counter())
 
 
 # a bounded measurement spends at most this share of its budget on filling the cache
@@ -61,7 +66,7 @@ def prefill_within(state: ModelState, context: int, vocab: int, seconds: float |
 def verify_times(
     model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 3, vocab: int = 256,
     warmup_each: bool = False, budget_s: float | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None, pad_to: int | None = None,
 ) -> dict[int, list[float]]:
     """Seconds of each of ``reps`` forwards of n tokens over a warm cache of about
     ``context`` tokens, per width n. Each forward keeps its first token, so every call meets a
@@ -80,10 +85,13 @@ def verify_times(
     allows, and a forward runs only when its time (as last measured, or n one-token forwards
     before that) fits in what is left, so a slow machine measures fewer widths and reps (the
     widths left out are missing from the result; width 1 is always timed). ``on_progress(done,
-    total)`` follows the forwards."""
+    total)`` follows the forwards. ``pad_to``: the cache is then padded with placeholder
+    positions to that length (``ModelState.pad``); nothing is timed ({}) where it cannot be."""
     budget = Budget(budget_s)
     state = ModelState(model)
     prefill_within(state, context, vocab, None if budget_s is None else budget_s * PREFILL_SHARE)
+    if pad_to is not None and not state.pad(pad_to - state.length):
+        return {}
     order = tuple(dict.fromkeys((1,) + tuple(widths)))
     total = 1 + len(order) * (reps + (1 if warmup_each else 0))
     done = 0
@@ -131,15 +139,18 @@ PLAIN_MAX_S = 1.0  # within a budget, the measurement is skipped (factor 1) wher
 
 
 def plain_factor(model: nn.Module, one: float, vocab: int = 256, steps: int = PLAIN_STEPS,
-                 runs: int = PLAIN_RUNS) -> float:
+                 runs: int = PLAIN_RUNS, pad_to: int | None = None, cap: float = 1.0) -> float:
     """What a plain token costs in mlx-lm's pipelined loop (the next 1-token forward queued
     before the current token is read) over ONE, a waited 1-token forward's seconds: the
     fastest of RUNS timed runs of STEPS tokens, after an untimed one, within [0.25, 1]. The
     gate weighs a verify against this, not against a waited forward: on an H100 (8B shape)
     stock decoding ran 8.1 ms a token where a waited forward took 11.2 ms; measured so on an
-    H200, 0.84 (8B) and 0.92 (27B)."""
+    H200, 0.84 (8B) and 0.92 (27B). ``pad_to``: over a cache padded to that length
+    (``ModelState.pad``), the result within [0.25, CAP]."""
     state = ModelState(model)
     state.prefill([(5 * i) % vocab for i in range(PLAIN_CONTEXT)])
+    if pad_to is not None:
+        state.pad(pad_to - state.length)
 
     def run() -> float:
         pending = mx.argmax(state.forward(mx.array([1], mx.uint32), rollback=False)[-1:], axis=-1)
@@ -158,7 +169,7 @@ def plain_factor(model: nn.Module, one: float, vocab: int = 256, steps: int = PL
 
     run()
     per_token = min(run() for _ in range(runs))
-    return min(1.0, max(0.25, per_token / one))
+    return min(cap, max(0.25, per_token / one))
 
 
 def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
@@ -176,7 +187,7 @@ def call_times(run, reps: int, warmup: int = 0, after=None) -> list[float]:
 
 
 def measure_verify_cost(
-    model: nn.Module, widths=WIDTHS, context: int = 128, reps: int = 5, vocab: int = 256,
+    model: nn.Module, widths=WIDTHS, context: int = CURVE_CONTEXT, reps: int = 5, vocab: int = 256,
     budget_s: float | None = None, on_progress: Callable[[int, int], None] | None = None,
 ) -> CostModel:
     """Time forwards of each width over a warm cache of ``context`` tokens (a second or two
@@ -198,7 +209,7 @@ def measure_verify_cost(
     times = {n: min(s) for n, s in samples.items()}
     base = times[1]
     curve = {n: t / base for n, t in times.items()}
-    cost = CostModel(curve=curve, measured=True)
+    cost = CostModel(curve=curve, measured=True, context=context)
     if budget_s is None or (PLAIN_STEPS + 2) * (PLAIN_RUNS + 1) * base <= PLAIN_MAX_S:
         cost.plain = plain_factor(model, base, vocab)
     if set(curve) != {1, *widths}:  # cut short by the budget

@@ -37,19 +37,40 @@ class CostModel:
     # measured: on an H100, 8B shape, plain decoding ran 8.1 ms a token where a waited forward
     # took 11.2 ms, and a gate counting a plain token at 1 kept an MTP head whose ideal was 0.73x
     plain: float = 1.0
+    # How the costs grow with the context (engine/context_cost.py): the curve above was timed
+    # over ``context`` tokens; ``at[L]`` is the same curve timed over L tokens and ``plain_at[L]``
+    # a pipelined plain token there, all in the units above (a waited 1-token forward over
+    # ``context``). Empty: not measured, the curve holds at every length. On an H200 (8B
+    # shape) a 2-token verify cost 1.5x a token at 1K and 2.0x at 32K, and a gate reading the
+    # short curve kept drafts that ran at 0.64x.
+    context: int = 0
+    at: dict[int, dict[int, float]] = field(default_factory=dict)
+    plain_at: dict[int, float] = field(default_factory=dict)
+    context_known: bool = False  # measured (an empty ``at`` then: the costs do not grow)
 
-    def verify(self, n: int) -> float:
-        if n in self.curve:
-            return self.curve[n]
-        below = [w for w in self.curve if w < n]
-        above = [w for w in self.curve if w > n]
-        if below and above:  # interpolate between measured widths
-            lo, hi = max(below), min(above)
-            return self.curve[lo] + (self.curve[hi] - self.curve[lo]) * (n - lo) / (hi - lo)
-        if below:  # past the last measured width: extend at the default slope
-            lo = max(below)
-            return self.curve[lo] + self.slope * (n - lo)
-        return 1.0 + self.slope * (n - 1)
+    def verify(self, n: int, context: int | None = None) -> float:
+        """A forward of N tokens over CONTEXT tokens (None: the curve's own context)."""
+        return _along(self.curve, n, self.slope) + self._grown(n, context)
+
+    def plain_cost(self, context: int | None = None) -> float:
+        """A pipelined plain token over CONTEXT tokens. Where only the verify was timed at a
+        length, a plain token there grows by what a 1-token forward grew."""
+        if not self.at or context is None or context <= self.context:
+            return self.plain
+        ys = [self.plain_at[L] - self.plain if L in self.plain_at else self._extra(L, 1) for L in sorted(self.at)]
+        return self.plain + _along(dict(zip([self.context, *sorted(self.at)], [0.0, *ys])), context, None)
+
+    def _extra(self, length: int, n: int) -> float:
+        """What a forward of N tokens costs more over LENGTH (a measured one) than over ``context``."""
+        grown = {w: c - _along(self.curve, w, self.slope) for w, c in self.at[length].items()}
+        return max(0.0, _along(grown, n, None))
+
+    def _grown(self, n: int, context: int | None) -> float:
+        if not self.at or context is None or context <= self.context:
+            return 0.0
+        lengths = sorted(self.at)
+        extra = {self.context: 0.0, **{L: self._extra(L, n) for L in lengths}}
+        return max(0.0, _along(extra, context, None))
 
     @classmethod
     def default(cls) -> "CostModel":
@@ -57,6 +78,26 @@ class CostModel:
         # The CPU backend pays roughly per row.
         on_gpu = mx.default_device().type == mx.DeviceType.gpu
         return cls(slope=0.08 if on_gpu else 0.35)
+
+
+def _along(points: dict[int, float], x: int, slope: float | None) -> float:
+    """POINTS (x -> y) read at X: linear between them; past the last at SLOPE, or (None) at the
+    last two points' slope (not below 0); before the first, at 1 + SLOPE per step from x = 1
+    (a curve's default), or (None) the first point's value."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    below = [w for w in xs if w < x]
+    above = [w for w in xs if w > x]
+    if below and above:  # interpolate between measured points
+        lo, hi = below[-1], above[0]
+        return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    if below:  # past the last: extend
+        lo = below[-1]
+        if slope is None:
+            slope = max(0.0, (points[lo] - points[below[-2]]) / (lo - below[-2])) if len(below) > 1 else 0.0
+        return points[lo] + slope * (x - lo)
+    return points[xs[0]] if slope is None else 1.0 + slope * (x - 1)
 
 
 class AcceptanceModel:
@@ -103,11 +144,13 @@ class AcceptanceModel:
 
 
 def expected_speedup(acceptance: AcceptanceModel, k: int, cost: CostModel, draft_cost: float,
-                     step_cost: float = 0.0) -> float:
+                     step_cost: float = 0.0, context: int | None = None) -> float:
     """Speed of drafting ``k`` tokens a step relative to plain decoding: E_k tokens per step
     over the step's cost, verify(k+1) + k * draft_cost + step_cost (a block drafter's one
-    forward), in target-forward units, times what a plain token costs in them (``cost.plain``)."""
-    return acceptance.expected_tokens(k) * cost.plain / (cost.verify(k + 1) + k * draft_cost + step_cost)
+    forward), in target-forward units, times what a plain token costs in them (``cost.plain``),
+    both over CONTEXT tokens where the cost model knows how they grow."""
+    verify = cost.verify(k + 1, context) + k * draft_cost + step_cost
+    return acceptance.expected_tokens(k) * cost.plain_cost(context) / verify
 
 
 class SpeculationGate:
@@ -125,6 +168,9 @@ class SpeculationGate:
     MIN_EVIDENCE_NONE_ACCEPTED = 3
     # Longest gap between probes while speculation is off (plain tokens).
     MAX_PROBE_GAP = 512
+    # The context the costs are read at moves in steps of this many tokens: the estimate is
+    # recomputed once a step, not every token, and a run's decisions follow its token count.
+    CONTEXT_STEP = 256
 
     def __init__(
         self,
@@ -147,6 +193,7 @@ class SpeculationGate:
         self._best: tuple[int, float] | None = None
         self._evidence = 0
         self._accepted = 0
+        self.context = 0  # tokens in the cache as of the last at_context(), in CONTEXT_STEPs
         # A model drafter (MTP head, draft model, assistant, DFlash) is first on trial: its
         # proposals are checked against the plain tokens that follow, not verified, until one
         # agrees (speculation starts) or MIN_EVIDENCE_NONE_ACCEPTED did not (off). A failed
@@ -157,7 +204,17 @@ class SpeculationGate:
     # -- estimates ------------------------------------------------------------
     def speedup(self, k: int) -> float:
         step = getattr(self.drafter, "cost_per_step", 0.0)  # drafters outside the Drafter class have none
-        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, step)
+        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, step, self.context)
+
+    def at_context(self, tokens: int) -> None:
+        """The cache holds TOKENS now: costs are read at that length (rounded down to a
+        CONTEXT_STEP), so a verify that grows dearer with the context than a plain token
+        switches drafting off there."""
+        context = tokens - tokens % self.CONTEXT_STEP
+        if context != self.context:
+            self.context = context
+            if self.cost.at:
+                self._best = None
 
     def best_depth(self) -> tuple[int, float]:
         # Asked once per token while decoding plainly: recomputed only after new observations.

@@ -182,6 +182,8 @@ class _Run:
             while not self.output.done:
                 remaining = self.output.remaining
                 draft = new = None
+                if self.drafter is not None:
+                    self.gate.at_context(len(self.tokens))
                 if pending is None and remaining > 1 and self.drafter is not None:
                     k = min(self.gate.depth(), remaining - 1)
                     self._sync_gate()

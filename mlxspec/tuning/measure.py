@@ -13,6 +13,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..engine.cache import ModelState
+from ..engine.context_cost import measure_context_cost
 from ..engine.costs import call_times, measure_verify_cost, verify_times
 from ..engine.drafters.assistant import AssistantDrafter
 from ..engine.drafters.dflash import DFlashDrafter
@@ -20,11 +21,13 @@ from ..engine.drafters.registry import resolve_drafter
 from ..engine.gates import AcceptanceModel, CostModel, expected_speedup
 from ..engine.sampling import SamplingParams
 from ..engine.speculate import SpeculativeDecoder
+from ..options import VERIFY_CONTEXT_BUDGET_S
 from .prompts import PROMPTS
-from .storage import FORMAT_VERSION, machine_info, model_info, save_result
+from .storage import CONTEXT_KEY, FORMAT_VERSION, context_entry, machine_info, model_info, save_result
 
 WIDTHS = tuple(range(1, 17))  # verify widths measured: every one of 1..16
 TUNE_DEPTH = 8  # acceptance is measured drafting this many tokens per step
+TUNE_CONTEXT_BUDGET_S = 4 * VERIFY_CONTEXT_BUDGET_S  # the verify cost over long contexts: more reps than a run's
 
 
 # -- costs ---------------------------------------------------------------------------
@@ -192,10 +195,13 @@ def run_tune(spec, *, max_tokens: int = 96, reps: int = 3, context: int = 128,
     """Measure, choose depths and (with ``save``) store the result; returns it (see the
     package doc), with ``path`` where it was stored."""
     drafters = tunable_drafters(spec)
-    step = StepCounter(on_step, total=2 + len(drafters) * (1 + len(PROMPTS)))
+    step = StepCounter(on_step, total=3 + len(drafters) * (1 + len(PROMPTS)))
     step("verify cost (1..16 tokens)")
     cost = measure_verify_cost(spec.target.model, widths=WIDTHS, context=context, reps=reps,
                                vocab=spec.target.vocab_size)
+    step("verify cost over long contexts")
+    measure_context_cost(spec.target.model, cost, context, vocab=spec.target.vocab_size,
+                         budget_s=TUNE_CONTEXT_BUDGET_S)
     draft_cost: dict[str, float] = {}
     acceptance: dict[str, dict] = {}
     for name in drafters:
@@ -222,6 +228,7 @@ def run_tune(spec, *, max_tokens: int = 96, reps: int = 3, context: int = 128,
         "max_tokens": max_tokens,
         "verify_cost": {str(n): round(cost.curve[n], 4) for n in sorted(cost.curve)},
         "plain_step": round(cost.plain, 4),
+        CONTEXT_KEY: context_entry(cost),
         "draft_cost": draft_cost,
         "acceptance": acceptance,
         "depth": depth,

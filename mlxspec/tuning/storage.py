@@ -92,6 +92,8 @@ def save_cost(loaded, cost: CostModel) -> Path | None:
         record["verify_slope"] = round(cost.slope, 4)
     if cost.plain != 1.0:  # a pipelined plain token, in the curve's units
         record["plain_step"] = round(cost.plain, 4)
+    if cost.context_known:
+        record[CONTEXT_KEY] = context_entry(cost)
     try:
         return save_result(loaded, record)
     except OSError:
@@ -163,7 +165,55 @@ def stored_cost(loaded) -> CostModel | None:
     plain = (data or {}).get("plain_step")
     if isinstance(plain, (int, float)) and not isinstance(plain, bool) and 0 < plain <= 1:
         cost.plain = float(plain)
+    read_context_cost(cost, (data or {}).get(CONTEXT_KEY))
     return cost
+
+
+CONTEXT_KEY = "verify_cost_context"  # {"context": n, "at": {L: {n: cost}}, "plain_at": {L: cost}}
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e4
+
+
+def read_context_cost(cost: CostModel, stored) -> None:
+    """COST's context growth from a record's CONTEXT_KEY entry; an unreadable part is dropped
+    (its costs then hold at every length), and ``cost.context_known`` says whether the record
+    had the entry at all (a run measures it where it had not)."""
+    if not isinstance(stored, dict):
+        return
+    cost.context_known = True
+    try:
+        context = int(stored.get("context", 0))
+        at = {int(L): {int(n): float(c) for n, c in curve.items() if _positive(c)}
+              for L, curve in (stored.get("at") or {}).items()}
+        plain_at = {int(L): float(c) for L, c in (stored.get("plain_at") or {}).items() if _positive(c)}
+    except (TypeError, ValueError, AttributeError):
+        return
+    at = {L: curve for L, curve in at.items() if L > context >= 1 and 1 in curve and len(curve) >= 2}
+    cost.context, cost.at = context, at
+    cost.plain_at = {L: c for L, c in plain_at.items() if L in at}
+
+
+def context_entry(cost: CostModel) -> dict:
+    """COST's context growth as a record's CONTEXT_KEY entry."""
+    return {"context": cost.context,
+            "at": {str(L): {str(n): round(c, 4) for n, c in sorted(curve.items())}
+                   for L, curve in sorted(cost.at.items())},
+            "plain_at": {str(L): round(c, 4) for L, c in sorted(cost.plain_at.items())}}
+
+
+def save_context_cost(loaded, cost: CostModel) -> Path | None:
+    """Add COST's context growth (measured by a run) to this machine and model's record; None
+    when there is no record or it cannot be written (the next long request measures again)."""
+    data = load_result(loaded)
+    if data is None:
+        return None
+    data[CONTEXT_KEY] = context_entry(cost)
+    try:
+        return save_result(loaded, data)
+    except OSError:
+        return None
 
 
 def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
