@@ -171,6 +171,9 @@ def test_the_curve_is_timed_over_long_contexts(tiny_qwen3):
     cut = context_cost.measure_context_cost(model, CostModel(curve={1: 1.0}), 32, contexts=(512, 2048),
                                             widths=(1, 2), reps=1, limit_bytes=limit)
     assert set(cut.at) == {512} and cut.context_known
+    spent = context_cost.measure_context_cost(model, CostModel(curve={1: 1.0}), 32, contexts=(512, 2048),
+                                              widths=(1, 2), reps=1, budget_s=0.0)
+    assert spent.at == {} and spent.context_known  # no time left: no length started
 
 
 # -- stored, and measured once where a request needs it ----------------------------------------
@@ -224,3 +227,16 @@ def test_a_long_request_measures_the_growth_once(tmp_path, monkeypatch, tiny_qwe
     spec._cost = None  # a later run: read from the record
     spec.generate(long, drafter="pld", max_tokens=4)
     assert calls == [128] and spec._cost.at == {4096: {1: 1.5, 2: 3.0}}
+
+
+def test_a_tree_budget_reads_the_costs_at_the_context():
+    """Wide verifies nearly free over 128 tokens, a row more each over 16K (the attention reads
+    the keys once a row): trees of 32 nodes at the start, one extra node at 16K. Planted bug,
+    the context left out: 32 at 16K too."""
+    from mlxspec.engine.tree_step import TreePolicy
+
+    flat = {n: 1.0 + 0.01 * (n - 1) for n in range(1, 34)}
+    cost = CostModel(curve=flat, measured=True, context=128, at={16384: {n: float(n) for n in range(1, 34)}},
+                     context_known=True)
+    assert TreePolicy(None, cost).budget(4, 3.0) == 32
+    assert TreePolicy(None, cost).budget(4, 3.0, context=16384) == 5

@@ -1,13 +1,13 @@
 """What a verify and a plain token cost as the context grows, timed over padded caches.
 
 The verify-cost curve (engine/costs.py) is timed over about 128 tokens of context. Attention
-reads every cached key, and a verify's extra rows read them again, so the curve bends with the
-length: on one H200 (Qwen3-8B shape, 4-bit) a 2-token verify cost 1.5x a 1-token forward at
-1K of context and 2.0x at 32K, and a gate reading the short curve kept a scripted MTP head
-drafting at 0.64x of plain decoding (its own ideal: 0.65). Here the same forwards are timed
-over caches of LONG_CONTEXTS tokens, padded with placeholder positions (``ModelState.pad``) so
-that no long prefill runs, and the gate reads the curve at the request's own length
-(``CostModel.verify(n, context)``).
+reads every cached key, and a verify's rows read them again, so the costs move with the
+length: on one H200 (Qwen3-8B shape, 4-bit), from 128 to 32K tokens a waited 1-token forward
+grew from 9.5 to 17.5 ms, a 2-token one from 9.3-10.1 to 21.7-25.0 ms and a pipelined plain
+token from 5.6-6.1 to 14.2-14.9 ms (benchmarks/results/context-cost-h200-8b.json). Here the
+same forwards are timed over caches of LONG_CONTEXTS tokens, padded with placeholder positions
+(``ModelState.pad``, timed alike with prefilled ones to 8K) so that no long prefill runs, and
+the gate reads them at the request's own length (``CostModel.verify(n, context)``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import ModelState
+from .cache import ModelState, model_nbytes
 from .costs import PLAIN_RUNS, PLAIN_STEPS, Budget, plain_factor, verify_times
 from .gates import CostModel
 
@@ -25,6 +25,7 @@ LONG_CONTEXTS = (4096, 16384)  # past the last, costs grow at the slope of the l
 LONG_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 LONG_REPS = 3
 REAL_TOKENS = 16  # the padded caches start from this many prefilled tokens
+UNIT_SHARE = 0.2  # of a budget, what timing the unit (a 1-token forward over the curve's context) may take
 MEMORY_SHARE = 8  # padding may take this share of the device's memory: 1/8
 UNKNOWN_MEMORY_BYTES = 2 << 30  # what padding may take where the device does not say its memory
 
@@ -62,9 +63,14 @@ def measure_context_cost(
         return cost
     budget = Budget(budget_s)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    one = min(verify_times(model, (1,), context=context, reps=reps, vocab=vocab)[1])
+    unit_budget = None if budget_s is None else budget_s * UNIT_SHARE
+    one = min(verify_times(model, (1,), context=context, reps=reps, vocab=vocab, budget_s=unit_budget)[1])
+    weights = max(1, model_nbytes(model))
     done, total = 0, len(lengths)
     for i, length in enumerate(lengths):
+        # two forwards at least (a warm-up, one timed), each reading the weights and the cache
+        if not budget.fits(2 * one * (1 + per_token * length / weights)):
+            break
         left = budget.left()
         left = None if left is None else left / (len(lengths) - i)  # shared by the lengths to come
         times = verify_times(model, widths, context=REAL_TOKENS, reps=reps, vocab=vocab, warmup_each=on_gpu,

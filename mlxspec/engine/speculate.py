@@ -292,7 +292,8 @@ class _Run:
         if self.trees is None or self._reads_rows:  # masks, penalties and logprobs follow chains
             return None
         d = self.drafter
-        budget = self.trees.budget(k, self.gate.model.expected_tokens(k), d.cost_per_step + k * d.cost_per_token)
+        budget = self.trees.budget(k, self.gate.model.expected_tokens(k), d.cost_per_step + k * d.cost_per_token,
+                                   self.gate.context)
         self.stats.tree_note = self.trees.unsupported or self.trees.why_chain
         tree = d.propose_tree(self.tokens, k, budget, self.sampling) if budget > k else None
         if tree is None or not len(tree):

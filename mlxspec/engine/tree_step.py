@@ -66,18 +66,23 @@ class TreePolicy:
         factor = cost.tree_factor if cost.tree_factor is not None else (HYBRID_TREE_FACTOR if recurrent else 1.0)
         return cls(budget, cost, factor)
 
-    def budget(self, k: int, chain_tokens: float, draft_cost: float = 0.0) -> int:
+    def budget(self, k: int, chain_tokens: float, draft_cost: float = 0.0, context: int | None = None) -> int:
         """Nodes for the next step at depth K (0: a chain), given the tokens a chain of depth k
-        is expected to keep (the gate's estimate) and the draft cost of the step."""
+        is expected to keep (the gate's estimate) and the draft cost of the step, with the
+        verify costs read over CONTEXT tokens (the gate's)."""
         if self.unsupported or self.fixed == 0 or k < 1:
             return 0
         if self.fixed is not None:
             return max(self.fixed, 1)
-        chain_cost = self.cost.verify(k + 1) + draft_cost
+
+        def verify(n: int) -> float:
+            return self.cost.verify(n, context)
+
+        chain_cost = verify(k + 1) + draft_cost
         n = max((n for n in range(k + 1, MAX_BUDGET + 1)
-                 if self.factor * self.cost.verify(n + 1) + draft_cost <= BUDGET_COST * chain_cost), default=0)
+                 if self.factor * verify(n + 1) + draft_cost <= BUDGET_COST * chain_cost), default=0)
         if n == 0:
-            ratio = (self.factor * self.cost.verify(k + 2) + draft_cost) / chain_cost
+            ratio = (self.factor * verify(k + 2) + draft_cost) / chain_cost
             self.why_chain = (f"a tree of {k + 1} nodes would cost {ratio:.2f}x the depth-{k} chain's verify "
                               f"(tree forward {self.factor:.2f}x a chain of as many rows)")
             return 0
@@ -85,7 +90,7 @@ class TreePolicy:
             self.off_for -= 1
             return 0
         if self.tree_tokens is not None:
-            tree_cost = self.factor * self.cost.verify(n + 1) + draft_cost
+            tree_cost = self.factor * verify(n + 1) + draft_cost
             if self.tree_tokens / tree_cost < chain_tokens / chain_cost:
                 self.why_chain = (f"trees of {n} nodes kept {self.tree_tokens:.2f} tokens a step for {tree_cost:.2f} "
                                   f"units, the chain {chain_tokens:.2f} for {chain_cost:.2f}")
