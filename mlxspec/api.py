@@ -239,7 +239,7 @@ class SpecModel(MeasuredCosts):
         """How REQUEST decodes as a row of a batch, or (None, why not): it is served alone."""
         if self.cannot_batch:
             return None, f"{self.name} cannot batch: {self.cannot_batch}"
-        dec = self._decoder(request)
+        dec = self._decoder(request, horizon=request.max_tokens)  # the prompt is not known yet: at least that
         name = dec.drafter.name if dec.drafter is not None else "none"
         trees = dec.tree != 0 and not (name == "dflash" and request.tree == "default")  # its default: chains here
         if name not in BATCH_DRAFTERS or trees:

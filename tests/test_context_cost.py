@@ -240,3 +240,27 @@ def test_a_tree_budget_reads_the_costs_at_the_context():
                      context_known=True)
     assert TreePolicy(None, cost).budget(4, 3.0) == 32
     assert TreePolicy(None, cost).budget(4, 3.0, context=16384) == 5
+
+
+def test_a_batch_row_that_may_run_long_measures_the_growth(tmp_path, monkeypatch, tiny_qwen3):
+    """A row joining a batch: its prompt is not known when its plan is made, so its
+    max_tokens alone decides (a server's requests are served this way)."""
+    from mlxspec.api import load
+    from mlxspec.options import CONTEXT_COST_FROM
+    from mlxspec.request import GenerationRequest
+
+    monkeypatch.setenv(storage.DATA_ENV, str(tmp_path / "tune"))
+    spec = load(str(tiny_qwen3))
+    storage.save_cost(spec.target, CostModel(curve={1: 1.0, 2: 1.2}, measured=True))
+    calls = []
+
+    def measure(model, cost, context, **kw):
+        calls.append(context)
+        cost.context_known = True
+        return cost
+
+    monkeypatch.setattr(context_cost, "measure_context_cost", measure)
+    spec.batch_plan(GenerationRequest(drafter="pld", max_tokens=16))
+    assert calls == []
+    spec.batch_plan(GenerationRequest(drafter="pld", max_tokens=CONTEXT_COST_FROM))
+    assert calls == [128]
