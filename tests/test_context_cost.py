@@ -199,12 +199,11 @@ def test_the_growth_is_stored_and_read_back(tmp_path, monkeypatch, tiny_qwen3):
     assert not storage.stored_cost(spec.target).context_known
 
 
-def test_a_long_request_measures_the_growth_once(tmp_path, monkeypatch, tiny_qwen3):
-    """A request whose prompt and answer may reach CONTEXT_COST_FROM tokens measures the
-    growth (announced) where the stored record lacks it, and stores it; a short one and the
-    next long one do not."""
+@pytest.fixture
+def measured_once(tmp_path, monkeypatch, tiny_qwen3):
+    """tiny_qwen3 loaded with a stored curve and no growth in its record; measuring the growth
+    records the curve's context in the returned list and gives a fixed growth."""
     from mlxspec.api import load
-    from mlxspec.options import CONTEXT_COST_FROM
 
     monkeypatch.setenv(storage.DATA_ENV, str(tmp_path / "tune"))
     spec = load(str(tiny_qwen3))
@@ -217,6 +216,16 @@ def test_a_long_request_measures_the_growth_once(tmp_path, monkeypatch, tiny_qwe
         return cost
 
     monkeypatch.setattr(context_cost, "measure_context_cost", measure)
+    return spec, calls
+
+
+def test_a_long_request_measures_the_growth_once(measured_once):
+    """A request whose prompt and answer may reach CONTEXT_COST_FROM tokens measures the
+    growth (announced) where the stored record lacks it, and stores it; a short one and the
+    next long one do not."""
+    from mlxspec.options import CONTEXT_COST_FROM
+
+    spec, calls = measured_once
     labels = []
     spec.generate("hi", drafter="pld", max_tokens=4, on_status=labels.append)
     assert calls == []
@@ -242,24 +251,13 @@ def test_a_tree_budget_reads_the_costs_at_the_context():
     assert TreePolicy(None, cost).budget(4, 3.0, context=16384) == 5
 
 
-def test_a_batch_row_that_may_run_long_measures_the_growth(tmp_path, monkeypatch, tiny_qwen3):
+def test_a_batch_row_that_may_run_long_measures_the_growth(measured_once):
     """A row joining a batch: its prompt is not known when its plan is made, so its
     max_tokens alone decides (a server's requests are served this way)."""
-    from mlxspec.api import load
     from mlxspec.options import CONTEXT_COST_FROM
     from mlxspec.request import GenerationRequest
 
-    monkeypatch.setenv(storage.DATA_ENV, str(tmp_path / "tune"))
-    spec = load(str(tiny_qwen3))
-    storage.save_cost(spec.target, CostModel(curve={1: 1.0, 2: 1.2}, measured=True))
-    calls = []
-
-    def measure(model, cost, context, **kw):
-        calls.append(context)
-        cost.context_known = True
-        return cost
-
-    monkeypatch.setattr(context_cost, "measure_context_cost", measure)
+    spec, calls = measured_once
     spec.batch_plan(GenerationRequest(drafter="pld", max_tokens=16))
     assert calls == []
     spec.batch_plan(GenerationRequest(drafter="pld", max_tokens=CONTEXT_COST_FROM))
