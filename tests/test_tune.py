@@ -111,6 +111,8 @@ def test_tune_json_cli(dirs, tiny_qwen3, monkeypatch):
     res = CliRunner().invoke(cli.app, ["tune", str(tiny_qwen3), "--max-tokens", "12"])
     assert res.exit_code == 0, res.output
     assert "verify cost" in res.stdout and "pld" in res.stdout
+    # the curve over the long contexts tune timed, beside the short one
+    assert data["verify_cost_context"]["at"] and "over 4K" in res.stdout and "plain token" in res.stdout
     flat = " ".join(res.stdout.split())  # Rich wraps long lines
     assert "conclusion: " in flat and "run will use" in flat.split("conclusion: ", 1)[1]
 

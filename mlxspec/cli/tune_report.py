@@ -10,11 +10,24 @@ from ..ui import bar
 
 
 def cost_table(result: dict) -> Table:
+    """The verify cost of each width over a short context, and over the long ones it was also
+    timed at (a column each, "-" for a width not timed there), in one unit: a 1-token forward
+    over the short context; then a pipelined plain token in that unit."""
+    grown = result.get("verify_cost_context") or {}
+    at, plain_at = grown.get("at") or {}, grown.get("plain_at") or {}
     costs = Table(title="verify cost (relative to 1 token)", title_justify="left")
     costs.add_column("tokens", justify="right")
     costs.add_column("cost", justify="right")
+    for length in at:
+        costs.add_column(f"over {int(length) // 1024}K", justify="right")
+
+    def cell(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for n, c in result["verify_cost"].items():
-        costs.add_row(n, f"{c:.2f}")
+        costs.add_row(n, cell(c), *(cell(curve.get(n)) for curve in at.values()))
+    if "plain_step" in result:
+        costs.add_row("plain token", cell(result["plain_step"]), *(cell(plain_at.get(length)) for length in at))
     return costs
 
 
