@@ -83,10 +83,7 @@ class ConcurrencyBench:
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int, workloads, requests: int,
                  seed: int = 0, reps: int = 5, on_step=None, stock: bool = True):
         from ..engine.cache import model_nbytes
-        from ..engine.context_cost import measure_context_cost
-        from ..engine.costs import measure_verify_cost
-        from ..options import CONTEXT_COST_FROM, VERIFY_CONTEXT_BUDGET_S
-        from .real_shapes import forward_ms, mtp_step_ms
+        from .real_shapes import forward_ms, mtp_step_ms, run_costs
         from .script import ScriptedLogits, make_follow_scripts, parse_workload
         from .stock import StockBaseline, build_beside
         from .synthetic import random_model, random_mtp_head, shape_config, vocab_size
@@ -113,12 +110,7 @@ class ConcurrencyBench:
         self.stock_evidence = self.stock.evidence if self.stock is not None else None
         self.target_nbytes = model_nbytes(self.model)
         self.logits = ScriptedLogits(self.model, [0])
-        say(f"{shape}: measuring the verify-cost curve (as `run` does)")
-        self.cost = measure_verify_cost(self.model, vocab=vocab)
-        if prompt_tokens + max_tokens >= CONTEXT_COST_FROM:  # as `run` does for such a request
-            say(f"{shape}: measuring how the verify cost grows with the context (as `run` does)")
-            measure_context_cost(self.model, self.cost, self.cost.context, vocab=vocab,
-                                 budget_s=VERIFY_CONTEXT_BUDGET_S)
+        self.cost = run_costs(self.model, vocab, prompt_tokens + max_tokens, lambda what: say(f"{shape}: {what}"))
         self.forward1 = forward_ms(self.model, (), prompt_tokens, reps, vocab)[1]
         self.mtp_cost = mtp_step_ms(self.head, prompt_tokens, reps) / self.forward1 if self.head else 0.0
         self._following = None

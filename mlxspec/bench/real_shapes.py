@@ -54,6 +54,22 @@ from .real_summary import measure, shape_info, summarize
 # -- timing ---------------------------------------------------------------------------------
 
 
+def run_costs(model, vocab: int, horizon: int, say):
+    """The verify costs `run` measures for a request that may reach HORIZON tokens: the curve,
+    and how it grows with the context where HORIZON reaches CONTEXT_COST_FROM (within `run`'s
+    budget for that); each step announced to SAY."""
+    from ..engine.context_cost import measure_context_cost
+    from ..engine.costs import measure_verify_cost
+    from ..options import CONTEXT_COST_FROM, VERIFY_CONTEXT_BUDGET_S
+
+    say("measuring the verify-cost curve (as `run` does)")
+    cost = measure_verify_cost(model, vocab=vocab)
+    if horizon >= CONTEXT_COST_FROM:
+        say("measuring how the verify cost grows with the context (as `run` does)")
+        measure_context_cost(model, cost, cost.context, vocab=vocab, budget_s=VERIFY_CONTEXT_BUDGET_S)
+    return cost
+
+
 def forward_ms(model, widths, context: int, reps: int, vocab: int) -> dict[int, float]:
     """Median ms of a forward of n tokens (graph built, run and waited for) over a cache of
     ``context`` tokens that grows as in generation (the engine's own timing loop)."""
@@ -131,9 +147,7 @@ class ShapeBench:
     def __init__(self, shape: str, *, bits: int, prompt_tokens: int, max_tokens: int,
                  workloads, reps: int, seed: int = 0, widest: int = 9, on_step=None, stock: bool = True):
         from ..engine.cache import model_nbytes
-        from ..engine.context_cost import measure_context_cost
-        from ..engine.costs import measure_tree_factor, measure_verify_cost
-        from ..options import CONTEXT_COST_FROM, VERIFY_CONTEXT_BUDGET_S
+        from ..engine.costs import measure_tree_factor
         from .script import ScriptedLogits, make_script
         from .stock import StockBaseline, build_beside
         from .synthetic import MOE, dflash_step_ms, random_model, shape_config, tree_ms, vocab_size
@@ -162,12 +176,7 @@ class ShapeBench:
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
         self.target_logits = ScriptedLogits(self.model, [0])
         self.draft_logits = ScriptedLogits(self.draft, [0]) if self.draft is not None else None
-        say(f"{shape}: measuring the verify-cost curve (as `run` does)")
-        self.cost = measure_verify_cost(self.model, vocab=vocab)
-        if prompt_tokens + max_tokens >= CONTEXT_COST_FROM:  # as `run` does for such a request
-            say(f"{shape}: measuring how the verify cost grows with the context (as `run` does)")
-            measure_context_cost(self.model, self.cost, self.cost.context, vocab=vocab,
-                                 budget_s=VERIFY_CONTEXT_BUDGET_S)
+        self.cost = run_costs(self.model, vocab, prompt_tokens + max_tokens, lambda what: say(f"{shape}: {what}"))
         say(f"{shape}: timing forwards over a growing cache")
         self.forward = forward_ms(self.model, range(2, widest + 1), prompt_tokens, reps, vocab)
         self.draft_step_ms = {"mlxspec-pld": 0.0}

@@ -62,10 +62,7 @@ def shape_info(bench, bits: int) -> dict:
             "draft_step_ms": {k: round(v, 3) for k, v in bench.draft_step_ms.items()},
             "cost_curve": {str(k): round(v, 3) for k, v in sorted(bench.cost.curve.items())},
             "cost_plain_step": round(bench.cost.plain, 3),
-            "cost_context": {"context": bench.cost.context,  # the curve over long contexts, as the gate read it
-                             "at": {str(L): {str(n): round(c, 3) for n, c in sorted(curve.items())}
-                                    for L, curve in sorted(bench.cost.at.items())},
-                             "plain_at": {str(L): round(c, 3) for L, c in sorted(bench.cost.plain_at.items())}},
+            "cost_context": bench.cost.context_record(3),  # the curve over long contexts, as the gate read it
             "tree_ms": {str(k): round(v, 3) for k, v in bench.tree_ms.items()},
             "tree_factor": bench.cost.tree_factor, "tree_error": bench.tree_error,
             "dflash": None if d is None else {"layers": d.args.num_hidden_layers, "block_size": d.block_size,

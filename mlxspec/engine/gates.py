@@ -50,27 +50,32 @@ class CostModel:
 
     def verify(self, n: int, context: int | None = None) -> float:
         """A forward of N tokens over CONTEXT tokens (None: the curve's own context)."""
-        return _along(self.curve, n, self.slope) + self._grown(n, context)
+        return _along(self.curve, n, self.slope) + max(0.0, self._grown(context, lambda L: self._extra(L, n)))
 
     def plain_cost(self, context: int | None = None) -> float:
         """A pipelined plain token over CONTEXT tokens. Where only the verify was timed at a
         length, a plain token there grows by what a 1-token forward grew."""
-        if not self.at or context is None or context <= self.context:
-            return self.plain
-        ys = [self.plain_at[L] - self.plain if L in self.plain_at else self._extra(L, 1) for L in sorted(self.at)]
-        return self.plain + _along(dict(zip([self.context, *sorted(self.at)], [0.0, *ys])), context, None)
+        return self.plain + self._grown(
+            context, lambda L: self.plain_at[L] - self.plain if L in self.plain_at else self._extra(L, 1))
 
     def _extra(self, length: int, n: int) -> float:
         """What a forward of N tokens costs more over LENGTH (a measured one) than over ``context``."""
         grown = {w: c - _along(self.curve, w, self.slope) for w, c in self.at[length].items()}
         return max(0.0, _along(grown, n, None))
 
-    def _grown(self, n: int, context: int | None) -> float:
+    def _grown(self, context: int | None, extra) -> float:
+        """The growth over ``context`` at CONTEXT tokens, EXTRA(L) being the growth measured at
+        each length L of ``at``: linear between them, past the last at the last two's slope."""
         if not self.at or context is None or context <= self.context:
             return 0.0
-        lengths = sorted(self.at)
-        extra = {self.context: 0.0, **{L: self._extra(L, n) for L in lengths}}
-        return max(0.0, _along(extra, context, None))
+        return _along({self.context: 0.0, **{L: extra(L) for L in sorted(self.at)}}, context, None)
+
+    def context_record(self, digits: int = 4) -> dict:
+        """How the costs grow with the context, as stored (``verify_cost_context``) and reported."""
+        return {"context": self.context,
+                "at": {str(L): {str(n): round(c, digits) for n, c in sorted(curve.items())}
+                       for L, curve in sorted(self.at.items())},
+                "plain_at": {str(L): round(c, digits) for L, c in sorted(self.plain_at.items())}}
 
     @classmethod
     def default(cls) -> "CostModel":

@@ -23,7 +23,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.speculate import SpeculativeDecoder
 from ..options import VERIFY_CONTEXT_BUDGET_S
 from .prompts import PROMPTS
-from .storage import CONTEXT_KEY, FORMAT_VERSION, context_entry, machine_info, model_info, save_result
+from .storage import CONTEXT_KEY, FORMAT_VERSION, machine_info, model_info, save_result
 
 WIDTHS = tuple(range(1, 17))  # verify widths measured: every one of 1..16
 TUNE_DEPTH = 8  # acceptance is measured drafting this many tokens per step
@@ -228,7 +228,7 @@ def run_tune(spec, *, max_tokens: int = 96, reps: int = 3, context: int = 128,
         "max_tokens": max_tokens,
         "verify_cost": {str(n): round(cost.curve[n], 4) for n in sorted(cost.curve)},
         "plain_step": round(cost.plain, 4),
-        CONTEXT_KEY: context_entry(cost),
+        CONTEXT_KEY: cost.context_record(),
         "draft_cost": draft_cost,
         "acceptance": acceptance,
         "depth": depth,

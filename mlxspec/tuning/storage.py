@@ -93,7 +93,7 @@ def save_cost(loaded, cost: CostModel) -> Path | None:
     if cost.plain != 1.0:  # a pipelined plain token, in the curve's units
         record["plain_step"] = round(cost.plain, 4)
     if cost.context_known:
-        record[CONTEXT_KEY] = context_entry(cost)
+        record[CONTEXT_KEY] = cost.context_record()
     try:
         return save_result(loaded, record)
     except OSError:
@@ -123,10 +123,16 @@ def save_draft_cost(loaded, drafter: str, cost: float, draft=None) -> Path | Non
 def save_tree_factor(loaded, factor: float) -> Path | None:
     """Add the tree-forward cost factor a run measured (engine.costs.measure_tree_factor) to
     this machine and model's record; None when there is no record or it cannot be written."""
+    return _add_to_record(loaded, "tree_factor", round(factor, 4))
+
+
+def _add_to_record(loaded, key: str, value) -> Path | None:
+    """Set KEY of this machine and model's record to VALUE; None when there is no record or it
+    cannot be written."""
     data = load_result(loaded)
     if data is None:
         return None
-    data["tree_factor"] = round(factor, 4)
+    data[key] = value
     try:
         return save_result(loaded, data)
     except OSError:
@@ -195,25 +201,10 @@ def read_context_cost(cost: CostModel, stored) -> None:
     cost.plain_at = {L: c for L, c in plain_at.items() if L in at}
 
 
-def context_entry(cost: CostModel) -> dict:
-    """COST's context growth as a record's CONTEXT_KEY entry."""
-    return {"context": cost.context,
-            "at": {str(L): {str(n): round(c, 4) for n, c in sorted(curve.items())}
-                   for L, curve in sorted(cost.at.items())},
-            "plain_at": {str(L): round(c, 4) for L, c in sorted(cost.plain_at.items())}}
-
-
 def save_context_cost(loaded, cost: CostModel) -> Path | None:
     """Add COST's context growth (measured by a run) to this machine and model's record; None
     when there is no record or it cannot be written (the next long request measures again)."""
-    data = load_result(loaded)
-    if data is None:
-        return None
-    data[CONTEXT_KEY] = context_entry(cost)
-    try:
-        return save_result(loaded, data)
-    except OSError:
-        return None
+    return _add_to_record(loaded, CONTEXT_KEY, cost.context_record())
 
 
 def stored_draft_cost(loaded, drafter: str, draft=None) -> float | None:
