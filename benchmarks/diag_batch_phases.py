@@ -6,13 +6,19 @@ process). "queue plain" includes building its own forward, which "forward (build
 too; what the other phases leave of a step is mostly waiting for the device.
 
     python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
-        [--reps 3] [--max-tokens 128] [--json OUT]
+        [--reps 3] [--max-tokens 128] [--json OUT] [--profile N]
+
+--profile N: the last repetition also runs under cProfile, and its N costliest functions (own
+time) are printed: where the host's milliseconds go, waiting for the device included (the
+reads of results, ``tolist`` / ``item``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -24,6 +30,7 @@ from mlxspec.engine import batch, batch_cache
 
 # phase -> (owner, attribute): each is wrapped with a timer for the run
 PHASES = {
+    "plan": (batch.Row, "plan"),
     "draft": (batch, "draft_together"),
     "read drafts": (batch.Row, "read"),
     "forward (build)": (batch.BatchedDecoder, "_forward"),
@@ -55,6 +62,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args()
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                              workloads=[args.workload], requests=args.rows, stock=False)
@@ -65,8 +73,13 @@ def main() -> None:
         for name, (owner, attr) in PHASES.items():
             setattr(owner, attr, timed(saved[name], name, spent, calls))
         try:
+            profile = cProfile.Profile() if args.profile and rep == args.reps else None
             t0 = time.perf_counter()
+            if profile is not None:
+                profile.enable()
             run = bench.run(BATCHED, args.workload, args.rows)
+            if profile is not None:
+                profile.disable()
             wall = time.perf_counter() - t0
         finally:
             for name, (owner, attr) in PHASES.items():
@@ -78,6 +91,8 @@ def main() -> None:
         if rep:
             out["reps"].append(cell)
         print(json.dumps(cell), flush=True)
+        if profile is not None:
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -1,13 +1,12 @@
 """The target's cache for several requests at once, each row rolled back by its own amount.
 
-Attention layers: mlx-lm's ``BatchKVCache`` holds rows left-padded to one write index: row
-i's tokens are at positions ``[left_padding[i], idx)``, its RoPE offset is ``offset[i]`` (its
-own length) and the attention mask hides the padding. A verify feeds every row the same width
-W (its last token, its drafts, pad tokens to W) and row i keeps ``kept[i]`` of those
-positions; the other ``W - kept[i]`` at its end are junk. Rolling row i right by its junk
-count moves its tokens to end at ``idx`` again and its junk past ``idx`` (the padding grows by
-as much), which is what ``BatchKVCache.finalize`` does for right-padded prompts: exact, and
-the other rows are untouched.
+Attention layers: a ``ragged_kv.RaggedKVCache`` per layer. Row i's tokens sit at ``[0,
+ends[i])`` as a single request's ``KVCache`` keeps them, its RoPE offset is its own length, and
+each row writes at its own end (the mask hides what lies past it). A verify feeds every row the
+same width W (its last token, its drafts, pad tokens to W) and row i keeps ``kept[i]`` of those
+positions; the other ``W - kept[i]`` at its end are junk, and rolling row i back only moves its
+end: no row's history moves (mlx-lm's ``BatchKVCache``, whose rows all end at one index, had
+to move each row by its own junk count, a gather of every layer's keys and values a step).
 
 GatedDeltaNet layers (Qwen3.5 / Qwen3.6 / Qwen3-Next hybrids): an ``ArraysCache`` with one
 conv and one recurrent state per row. Rows are prefilled alone and joined, so no padding ever
@@ -22,12 +21,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from ..models.gdn_tape import tape_layers
 from ..models.layer_capture import LayerCapture
 from ..models.trunk import split_trunk
 from .cache import Snapshot, cache_leaves, snapshot_caches
+from .ragged_kv import RaggedKVCache
 
 
 def batch_refusal(model: nn.Module) -> str | None:
@@ -57,7 +57,7 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 
 
 class RaggedCache:
-    """Per layer a ``BatchKVCache`` or a batched ``ArraysCache``; rows join (their own
+    """Per layer a ``RaggedKVCache`` or a batched ``ArraysCache``; rows join (their own
     prefilled caches), leave, and roll back by their own amounts."""
 
     def __init__(self, model: nn.Module):
@@ -80,8 +80,8 @@ class RaggedCache:
             return 0
         if any(isinstance(c, KVCache) for c in self.layers):
             return 1
-        kv = next((c for c in self.layers if isinstance(c, BatchKVCache)), None)
-        return kv.offset.shape[0] if kv is not None else self.layers[0].batch_size
+        kv = next((c for c in self.layers if isinstance(c, RaggedKVCache)), None)
+        return len(kv.ends) if kv is not None else self.layers[0].batch_size
 
     def join(self, row_cache: list) -> None:
         """Append a row: ROW_CACHE is one request's prefilled per-layer cache (B = 1). A row
@@ -93,8 +93,8 @@ class RaggedCache:
             if self._recurrent and self._gdn is None:
                 self._gdn = tape_layers(self.model, self.layers)
             return
-        self.layers = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else c for c in self.layers]
-        new = [BatchKVCache.merge([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
+        self.layers = [RaggedKVCache.of_rows([c]) if isinstance(c, KVCache) else c for c in self.layers]
+        new = [RaggedKVCache.of_rows([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
         for layer, row in zip(self.layers, new, strict=True):
             layer.extend(row)
 
@@ -110,7 +110,7 @@ class RaggedCache:
         for layer in self.layers:
             layer.filter(index)
         if len(rows) == 1:
-            self.layers = [c.extract(0) if isinstance(c, BatchKVCache) else c for c in self.layers]
+            self.layers = [c.extract(0) if isinstance(c, RaggedKVCache) else c for c in self.layers]
 
     def forward(self, inputs: mx.array, hidden: bool = False,
                 capture: LayerCapture | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:
@@ -143,14 +143,14 @@ class RaggedCache:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of
         the last :meth:`forward`."""
         assert len(junk) == self.rows, (len(junk), self.rows)
-        kv = [c for c in self.layers if isinstance(c, (BatchKVCache, KVCache))]  # KVCache: a row alone
-        common = min(junk)
-        if common:
+        kv = [c for c in self.layers if isinstance(c, (RaggedKVCache, KVCache))]  # KVCache: a row alone
+        if kv and isinstance(kv[0], KVCache):
             for layer in kv:
-                layer.trim(common)
-        rest = [j - common for j in junk]
-        if any(rest):  # several rows (one row's junk is all common)
-            roll_rows(kv, rest)
+                layer.trim(junk[0])
+        elif kv:  # every layer holds the same rows at the same ends: one offset array for all
+            offset = mx.array([e - j for e, j in zip(kv[0].ends, junk)], mx.int32)
+            for layer in kv:
+                layer.retreat(junk, offset)
         if self._recurrent and any(junk):
             self._replay(junk)
 
@@ -175,34 +175,13 @@ class RaggedCache:
 
     def length(self, row: int) -> int:
         """Tokens row ROW holds."""
-        layer = next(c for c in self.layers if isinstance(c, (BatchKVCache, KVCache)))
-        if isinstance(layer, KVCache):
-            return layer.offset
-        return layer.size() - int(layer.left_padding[row].item())
+        layer = next(c for c in self.layers if isinstance(c, (RaggedKVCache, KVCache)))
+        return layer.offset if isinstance(layer, KVCache) else layer.ends[row]
 
     def snapshot(self, row: int) -> Snapshot | None:
         """Row ROW's cache alone, as a single request's (for the prefix cache)."""
         layers = self.layers if self.rows == 1 else [layer.extract(row) for layer in self.layers]
         return snapshot_caches(layers, self.length(row))
-
-
-def roll_rows(layers: list[BatchKVCache], shifts: list[int]) -> None:
-    """Roll row i of every layer right by SHIFTS[i] along the sequence, its padding growing as
-    much: what ``BatchKVCache.prepare(right_padding=...)`` and ``finalize`` do, with the gather
-    index, offsets and paddings built once for all layers (every layer holds the same rows at
-    the same places), so a step pays one gather per keys and values array and nothing else.
-    The layers then share their offset and padding arrays: mlx-lm replaces them, never
-    updates them in place, outside ``prepare`` (empty caches) and ``finalize`` (not used)."""
-    by = mx.array(shifts)
-    offset, padding = layers[0].offset - by, layers[0].left_padding + by
-    index: dict[int, mx.array] = {}
-    for layer in layers:
-        n = layer.keys.shape[2]
-        if n not in index:  # (B, 1, n, 1): row b's slot t takes slot (t - shift_b) mod n
-            index[n] = ((mx.arange(n)[None] - by[:, None]) % n)[:, None, :, None]
-        layer.keys = mx.take_along_axis(layer.keys, index[n], axis=2)
-        layer.values = mx.take_along_axis(layer.values, index[n], axis=2)
-        layer.offset, layer.left_padding = offset, padding
 
 
 def _arrays_row(c: ArraysCache) -> ArraysCache:

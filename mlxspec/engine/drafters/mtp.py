@@ -11,7 +11,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ...models.mtp.head import MTPHead
-from ..batch_cache import roll_rows
 from ..cache import merged_caches, model_nbytes, restore_caches, snapshot_caches
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, chain_draft, joined_rows, sample_chain
@@ -215,3 +214,24 @@ def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx
     if max(junk) > min(junk):
         roll_rows([layer], [j - min(junk) for j in junk])
     return out[mx.arange(len(drafters)), mx.array(counts) - 1], merged
+
+
+def roll_rows(layers: list[BatchKVCache], shifts: list[int]) -> None:
+    """Roll row i of every layer right by SHIFTS[i] along the sequence, its padding growing as
+    much: what ``BatchKVCache.prepare(right_padding=...)`` and ``finalize`` do, with the gather
+    index, offsets and paddings built once for all layers (every layer holds the same rows at
+    the same places), so a step pays one gather per keys and values array and nothing else.
+    The layers then share their offset and padding arrays: mlx-lm replaces them, never
+    updates them in place, outside ``prepare`` (empty caches) and ``finalize`` (not used).
+    (The head's merged cache is one small layer; the target's batch moves no rows:
+    engine/ragged_kv.py.)"""
+    by = mx.array(shifts)
+    offset, padding = layers[0].offset - by, layers[0].left_padding + by
+    index: dict[int, mx.array] = {}
+    for layer in layers:
+        n = layer.keys.shape[2]
+        if n not in index:  # (B, 1, n, 1): row b's slot t takes slot (t - shift_b) mod n
+            index[n] = ((mx.arange(n)[None] - by[:, None]) % n)[:, None, :, None]
+        layer.keys = mx.take_along_axis(layer.keys, index[n], axis=2)
+        layer.values = mx.take_along_axis(layer.values, index[n], axis=2)
+        layer.offset, layer.left_padding = offset, padding
