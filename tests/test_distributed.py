@@ -491,14 +491,19 @@ def _cpu_seconds(pid: int) -> float:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_an_idle_follower_sleeps_between_requests(served):
     """Waiting inside a collective for the next request, the follower polled: 0.75 cores idle
-    here (both ranks, measured over 5 s; 0.08 with the idle meetings). Over 2 idle seconds it
-    now uses under half a core-second, where polling even at the fair share of a loaded 2-core
-    machine (4 busy processes: half a core) uses a core-second."""
+    here (both ranks, measured over 5 s; 0.08 with the idle meetings). In the quietest of three
+    idle seconds it now uses under a quarter of a core-second, where polling even at the fair
+    share of a loaded 2-core machine (4 busy processes: half a core) uses half a core-second
+    every second. (The quietest, not the first: one run saw 0.53 core-seconds over the 2 s right
+    after the previous request, while the follower finished its share of that request.)"""
     follower = served.ranks[1].process.pid
-    before = _cpu_seconds(follower)
-    time.sleep(2.0)
+    used = []
+    for _ in range(3):
+        before = _cpu_seconds(follower)
+        time.sleep(1.0)
+        used.append(_cpu_seconds(follower) - before)
     assert served.ranks[1].process.poll() is None
-    assert _cpu_seconds(follower) - before < 0.5
+    assert min(used) < 0.25, used
 
 
 def test_serve_ends_every_rank_with_code_zero_on_sigterm(served):
