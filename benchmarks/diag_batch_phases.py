@@ -3,7 +3,9 @@
 queueing a plain step, committing, rolling back) and the step in all, for N requests of a real
 shape's scripted workload (as ``bench --real-shapes SHAPE --concurrency N``, without the stock
 process). "queue plain" includes building its own forward, which "forward (build)" counts
-too; what the other phases leave of a step is mostly waiting for the device.
+too; "launch (async_eval)" is the host's time encoding the queued kernels; what the other
+phases leave of a step is mostly waiting for the device. Phases nest: "queued verify (queue)"
+holds a forward's build, "leave" a row's prefix-cache store and the batch's filter.
 
     python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
         [--reps 3] [--max-tokens 128] [--json OUT] [--profile N]
@@ -26,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.bench.real_concurrency import BATCHED, ConcurrencyBench
-from mlxspec.engine import batch, batch_cache
+from mlxspec.engine import batch, batch_ahead, batch_cache
 
 # phase -> (owner, attribute): each is wrapped with a timer for the run
 PHASES = {
@@ -38,6 +40,9 @@ PHASES = {
     "queue plain": (batch.BatchedDecoder, "_queue_plain"),
     "commit": (batch.Row, "commit"),
     "rollback": (batch_cache.RaggedCache, "rollback"),
+    "queued verify (guess, build)": (batch_ahead.BatchAhead, "make"),
+    "queued verify (queue)": (batch_ahead.BatchAhead, "queue"),
+    "leave": (batch.BatchedDecoder, "_leave"),
     "step": (batch.BatchedDecoder, "_decode"),
 }
 
@@ -51,6 +56,26 @@ def timed(fn, name: str, spent: dict, calls: dict):
             spent[name] += time.perf_counter() - t0
             calls[name] += 1
     return wrapper
+
+
+class TimedMx:
+    """engine/batch.py's ``mx`` with its ``async_eval`` timed ("launch"): on CUDA, encoding a
+    forward's kernels is host time spent there; what a step leaves after every phase is then
+    the wait for the device's results (``tolist``)."""
+
+    def __init__(self, mx, spent: dict, calls: dict):
+        self._mx, self._spent, self._calls = mx, spent, calls
+
+    def __getattr__(self, name):
+        return getattr(self._mx, name)
+
+    def async_eval(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return self._mx.async_eval(*args)
+        finally:
+            self._spent["launch (async_eval)"] += time.perf_counter() - t0
+            self._calls["launch (async_eval)"] += 1
 
 
 def main() -> None:
@@ -72,6 +97,8 @@ def main() -> None:
         saved = {name: getattr(owner, attr) for name, (owner, attr) in PHASES.items()}
         for name, (owner, attr) in PHASES.items():
             setattr(owner, attr, timed(saved[name], name, spent, calls))
+        real_mx = batch.mx
+        batch.mx = TimedMx(real_mx, spent, calls)
         try:
             profile = cProfile.Profile() if args.profile and rep == args.reps else None
             t0 = time.perf_counter()
@@ -84,10 +111,12 @@ def main() -> None:
         finally:
             for name, (owner, attr) in PHASES.items():
                 setattr(owner, attr, saved[name])
+            batch.mx = real_mx
         steps = max(calls["step"], 1)
+        names = [*PHASES, "launch (async_eval)"]
         cell = {"wall_s": round(wall, 3), "steps": calls["step"], "tokens": sum(len(t) for t in run.tokens),
-                "ms_per_step": {n: round(spent[n] / steps * 1e3, 3) for n in PHASES},
-                "calls": {n: calls[n] for n in PHASES}, "stats": run.stats}
+                "ms_per_step": {n: round(spent[n] / steps * 1e3, 3) for n in names},
+                "calls": {n: calls[n] for n in names}, "stats": run.stats}
         if rep:
             out["reps"].append(cell)
         print(json.dumps(cell), flush=True)
