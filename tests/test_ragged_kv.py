@@ -23,7 +23,7 @@ H, D = 2, 8
 TOL = 1e-5 if mx.default_device() == mx.cpu else 2e-3
 
 
-def fresh(rng: random.Random, n: int) -> KVCache:
+def fresh(n: int) -> KVCache:
     cache = KVCache()
     if n:
         cache.update_and_fetch(mx.random.normal((1, H, n, D)), mx.random.normal((1, H, n, D)))
@@ -62,7 +62,7 @@ def check_rows(batch: RaggedKVCache, alone: list[KVCache]) -> None:
 def random_run(seed: int, steps: int = 40) -> None:
     rng = random.Random(seed)
     mx.random.seed(seed)
-    alone = [fresh(rng, rng.randrange(0, 40)) for _ in range(3)]
+    alone = [fresh(rng.randrange(0, 40)) for _ in range(3)]
     batch = RaggedKVCache.of_rows(alone)
     for _ in range(steps):
         check_rows(batch, alone)
@@ -72,7 +72,7 @@ def random_run(seed: int, steps: int = 40) -> None:
             batch.filter(keep)
             alone = [alone[i] for i in keep]
         elif op < 0.2 and len(alone) < 5:  # a row joins, prefilled alone
-            row = fresh(rng, rng.randrange(0, 300))
+            row = fresh(rng.randrange(0, 300))
             batch.extend(RaggedKVCache.of_rows([row]))
             alone.append(row)
         else:  # a verify of a width, then each row keeps its own count
@@ -92,7 +92,7 @@ def test_rows_match_their_own_caches_through_a_random_run(seed):
 
 def test_a_uniform_batch_needs_no_mask():
     """Rows that end together: no mask for one token, "causal" for several (a KVCache's)."""
-    batch = RaggedKVCache.of_rows([fresh(random.Random(0), 5), fresh(random.Random(1), 5)])
+    batch = RaggedKVCache.of_rows([fresh(5), fresh(5)])
     assert batch.make_mask(1) is None and batch.make_mask(3) == "causal"
     batch.retreat([1, 0])
     assert isinstance(batch.make_mask(1), mx.array)

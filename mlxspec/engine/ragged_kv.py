@@ -62,8 +62,8 @@ class RaggedKVCache:
 
     def filter(self, rows: mx.array | list[int]) -> None:
         """Keep only ROWS (indices, in their new order)."""
-        rows = rows.tolist() if isinstance(rows, mx.array) else list(rows)
-        index = mx.array(rows, mx.int32)
+        index = rows if isinstance(rows, mx.array) else mx.array(rows, mx.int32)
+        rows = index.tolist()
         if self.keys is not None:
             self.keys, self.values = self.keys[index], self.values[index]
         self.ends = [self.ends[i] for i in rows]
