@@ -8,7 +8,10 @@ phases leave of a step is mostly waiting for the device. Phases nest: "queued ve
 holds a forward's build, "leave" a row's prefix-cache store and the batch's filter.
 
     python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
-        [--reps 3] [--max-tokens 128] [--json OUT] [--profile N]
+        [--reps 3] [--max-tokens 128] [--json OUT] [--profile N] [--pipeline on|off|both]
+
+--pipeline both: the repetitions alternate the pipelined steps (engine/batch_pipeline.py) on and
+off, in one process (ABAB), and each cell says which it ran.
 
 --profile N: the last repetition also runs under cProfile, and its N costliest functions (own
 time) are printed: where the host's milliseconds go, waiting for the device included (the
@@ -28,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.bench.real_concurrency import BATCHED, ConcurrencyBench
-from mlxspec.engine import batch, batch_ahead, batch_cache
+from mlxspec.engine import batch, batch_ahead, batch_cache, batch_pipeline
 
 # phase -> (owner, attribute): each is wrapped with a timer for the run
 PHASES = {
@@ -43,6 +46,8 @@ PHASES = {
     "queued verify (guess, build)": (batch_ahead.BatchAhead, "make"),
     "queued verify (queue)": (batch_ahead.BatchAhead, "queue"),
     "leave": (batch.BatchedDecoder, "_leave"),
+    "pipelined: guesses": (batch_pipeline.Pipeline, "_guesses"),
+    "pipelined: launch (build)": (batch_pipeline.Pipeline, "_launch"),
     "step": (batch.BatchedDecoder, "_decode"),
 }
 
@@ -88,19 +93,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument("--pipeline", choices=("on", "off", "both"), default="on")
     args = ap.parse_args()
+    real_init = batch.BatchedDecoder.__init__
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                              workloads=[args.workload], requests=args.rows, stock=False)
     out = {"shape": args.shape, "workload": args.workload, "rows": args.rows, "reps": []}
-    for rep in range(args.reps + 1):  # the first run warms up
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.pipeline]
+    for rep in range(len(modes) * (args.reps + 1)):  # the first of each mode warms up
+        pipelined = modes[rep % len(modes)]
+        batch.BatchedDecoder.__init__ = lambda self, *a, _p=pipelined, **k: real_init(self, *a, **k, pipeline=_p)
         spent, calls = defaultdict(float), defaultdict(int)
         saved = {name: getattr(owner, attr) for name, (owner, attr) in PHASES.items()}
         for name, (owner, attr) in PHASES.items():
             setattr(owner, attr, timed(saved[name], name, spent, calls))
         real_mx = batch.mx
-        batch.mx = TimedMx(real_mx, spent, calls)
+        batch.mx = batch_pipeline.mx = TimedMx(real_mx, spent, calls)
         try:
-            profile = cProfile.Profile() if args.profile and rep == args.reps else None
+            profile = cProfile.Profile() if args.profile and rep == len(modes) * (args.reps + 1) - 1 else None
             t0 = time.perf_counter()
             if profile is not None:
                 profile.enable()
@@ -111,13 +121,15 @@ def main() -> None:
         finally:
             for name, (owner, attr) in PHASES.items():
                 setattr(owner, attr, saved[name])
-            batch.mx = real_mx
+            batch.mx = batch_pipeline.mx = real_mx
+            batch.BatchedDecoder.__init__ = real_init
         steps = max(calls["step"], 1)
         names = [*PHASES, "launch (async_eval)"]
-        cell = {"wall_s": round(wall, 3), "steps": calls["step"], "tokens": sum(len(t) for t in run.tokens),
+        cell = {"pipeline": pipelined, "wall_s": round(wall, 3), "steps": calls["step"],
+                "tokens": sum(len(t) for t in run.tokens),
                 "ms_per_step": {n: round(spent[n] / steps * 1e3, 3) for n in names},
                 "calls": {n: calls[n] for n in names}, "stats": run.stats}
-        if rep:
+        if rep >= len(modes):
             out["reps"].append(cell)
         print(json.dumps(cell), flush=True)
         if profile is not None:

@@ -43,7 +43,8 @@ from ..errors import UsageError
 from ..models.layer_capture import LayerCapture
 from .batch_ahead import BatchAhead
 from .batch_cache import RaggedCache
-from .batch_step import Step, draft_together, fill_pads
+from .batch_pipeline import Pipeline
+from .batch_step import Step, draft_together, fill_pads, greedy_accept, greedy_rows, greedy_tokens
 from .cache import ModelState
 from .drafters.base import Drafter
 from .drafters.pld import repetition_score
@@ -67,32 +68,6 @@ class Queued:
     rows: list[Row]
     tokens: mx.array
     hidden: list[mx.array | None]
-
-
-def greedy_rows(rows: Sequence[Row]) -> bool:
-    """Whether every row samples greedily with nothing reading its rows (no constraint,
-    penalties or logprobs): then one argmax over the batch's logits decides every row."""
-    return all(r.sampling.greedy and not r.rules.reads_rows for r in rows)
-
-
-def greedy_tokens(logits: mx.array) -> mx.array:
-    """(B, W, V) logits -> (B, W) tokens, as ``SamplingParams.sample`` picks them greedily:
-    the argmax of the normalized log-probabilities (mlx-lm's plain decoding does the same)."""
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
-
-
-def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.array, mx.array]:
-    """Temperature-0 acceptance of every row at once (``sampling.accept_greedy`` per row):
-    LOGITS (B, W, V), DRAFTS the rows' drafted tokens (at most W - 1 each). Returns
-    (n_accepted (B,), tokens (B, W)): row i keeps its first n_i drafts and then tokens[i, n_i]."""
-    b, w = logits.shape[:2]
-    assert len(drafts) == b and all(len(d) < w for d in drafts), (b, w, [len(d) for d in drafts])
-    tokens = greedy_tokens(logits)
-    if w == 1:
-        return mx.zeros((b,), mx.int32), tokens
-    padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)  # -1: never a token
-    same = tokens[:, :-1].astype(mx.int32) == padded
-    return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
 
 
 @dataclass
@@ -242,7 +217,8 @@ class Row:
 class BatchedDecoder:
     """Rows join (:meth:`add`) and leave between steps; :meth:`step` advances them all."""
 
-    def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512, draft_together: bool = True):
+    def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512, draft_together: bool = True,
+                 pipeline: bool = True):
         if max_rows < 1:
             raise UsageError(f"a batch needs at least one row (got {max_rows})")
         self.model = model
@@ -255,6 +231,10 @@ class BatchedDecoder:
         self.joining: deque[Row] = deque()
         self._queued: Queued | None = None  # a plain step queued behind the last one
         self._ahead = BatchAhead(self.cache)  # a verify queued behind the last one (batch_ahead.py)
+        # greedy rows: each step's successor launched before it is read (batch_pipeline.py);
+        # False: never (to time what it saves)
+        self.pipeline = pipeline
+        self._pipe = Pipeline(self.cache, self._forward, PAD)
         self.steps = 0  # batched forwards run
         self.row_steps = 0  # rows those forwards served, summed
 
@@ -291,6 +271,7 @@ class BatchedDecoder:
             self._leave(row)
 
     def _leave(self, row: Row) -> None:
+        self._pipe.leave(row)
         i = self.rows.index(row)
         self._ahead.drop()
         if self._queued is not None:  # its share of a queued step goes with it
@@ -311,7 +292,7 @@ class BatchedDecoder:
         """One prefill chunk of the first joining row, then one decode step of the rows in (a
         queued step is taken first: its rows are the batch's before anyone joins)."""
         with mx.stream(generation_stream):
-            decoded = self._queued is not None
+            decoded = self._queued is not None or self._pipe.flight is not None
             if decoded:
                 self._decode_all()
             if self.joining:
@@ -330,7 +311,7 @@ class BatchedDecoder:
         try:
             self._decode()
         except Exception as err:  # one forward for all: every row in it ends with it
-            self._queued = self._ahead.guess = None
+            self._queued = self._ahead.guess = self._pipe.flight = None
             for r in list(self.rows):
                 r.error = err
                 self._leave(r)
@@ -355,8 +336,18 @@ class BatchedDecoder:
         row.state = None
         self.rows.append(row)
 
+    def _pipelines(self, rows: list[Row]) -> bool:
+        """Whether this step is pipelined (batch_pipeline.py): no row joining (a flight in flight
+        then drains first), no recurrent layer (its tape covers one forward)."""
+        return self.pipeline and not self.joining and not self.cache.recurrent and Pipeline.eligible(rows)
+
     def _decode(self) -> None:
         rows = list(self.rows)
+        if self._pipe.flight is not None or (self._queued is None and self._pipelines(rows)):
+            self._ahead.drop()
+            self._pipe.step(rows, drain=not self._pipelines(rows))
+            self._stepped(rows)
+            return
         queued, self._queued = self._queued, None
         if queued is not None:  # a plain step queued by the last one: its rows are these
             assert queued.rows == rows
@@ -404,6 +395,9 @@ class BatchedDecoder:
             junk.append(width - 1 - n + extra)
             r.commit(list(p.host[:n]) + [last], p, n, lg, None if hid is None else hid[: n + 1])
         self.cache.rollback(junk)
+        self._stepped(rows)
+
+    def _stepped(self, rows: list[Row]) -> None:
         self.steps += 1
         self.row_steps += len(rows)
         for r in rows:  # a row that ended leaves now (its consumer still has its last tokens)
@@ -414,7 +408,7 @@ class BatchedDecoder:
         """After a plain step of every row, queue the next one behind it (its inputs: this
         step's TOKENS (B, 1), still on the device) when every row will decode plainly again, as
         the single-request loop decides it; not while a row is joining (it changes the batch)."""
-        if self.joining or not all(r.stays_plain_next() for r in rows):
+        if self.joining or self._pipelines(rows) or not all(r.stays_plain_next() for r in rows):
             return
         logits, hidden = self._forward(tokens.astype(mx.uint32), rows)  # (B, 1, V)
         if greedy_rows(rows):

@@ -98,3 +98,29 @@ def fill_pads(rows: Sequence, plans: list[Step], width: int) -> list[Step]:
         longer = () if draft is None else tuple(draft.host_tokens())
         out.append(Step(draft, longer, drafted=len(longer)) if longer[: len(p.host)] == p.host else p)
     return out
+
+
+def greedy_rows(rows: Sequence) -> bool:
+    """Whether every row samples greedily with nothing reading its rows (no constraint,
+    penalties or logprobs): then one argmax over the batch's logits decides every row."""
+    return all(r.sampling.greedy and not r.rules.reads_rows for r in rows)
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """(B, W, V) logits -> (B, W) tokens, as ``SamplingParams.sample`` picks them greedily:
+    the argmax of the normalized log-probabilities (mlx-lm's plain decoding does the same)."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
+def greedy_accept(logits: mx.array, drafts: list[tuple[int, ...]]) -> tuple[mx.array, mx.array]:
+    """Temperature-0 acceptance of every row at once (``sampling.accept_greedy`` per row):
+    LOGITS (B, W, V), DRAFTS the rows' drafted tokens (at most W - 1 each). Returns
+    (n_accepted (B,), tokens (B, W)): row i keeps its first n_i drafts and then tokens[i, n_i]."""
+    b, w = logits.shape[:2]
+    assert len(drafts) == b and all(len(d) < w for d in drafts), (b, w, [len(d) for d in drafts])
+    tokens = greedy_tokens(logits)
+    if w == 1:
+        return mx.zeros((b,), mx.int32), tokens
+    padded = mx.array([list(d) + [-1] * (w - 1 - len(d)) for d in drafts], mx.int32)  # -1: never a token
+    same = tokens[:, :-1].astype(mx.int32) == padded
+    return mx.cumprod(same.astype(mx.int32), axis=1).sum(axis=1), tokens
