@@ -9,6 +9,7 @@ holds a forward's build, "leave" a row's prefix-cache store and the batch's filt
 
     python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
         [--reps 3] [--max-tokens 128] [--json OUT] [--profile N] [--pipeline on|off|both]
+        [--no-drafter]
 
 --pipeline both: the repetitions alternate the pipelined steps (engine/batch_pipeline.py) on and
 off, in one process (ABAB), and each cell says which it ran.
@@ -30,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlxspec.bench.real_concurrency import BATCHED, ConcurrencyBench
+from mlxspec.bench.real_concurrency import BATCHED, BATCHED_PLAIN, ConcurrencyBench
 from mlxspec.engine import batch, batch_ahead, batch_cache, batch_pipeline
 
 # phase -> (owner, attribute): each is wrapped with a timer for the run
@@ -94,6 +95,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--pipeline", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--no-drafter", action="store_true", help="every row decodes plainly")
     args = ap.parse_args()
     real_init = batch.BatchedDecoder.__init__
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
@@ -114,7 +116,7 @@ def main() -> None:
             t0 = time.perf_counter()
             if profile is not None:
                 profile.enable()
-            run = bench.run(BATCHED, args.workload, args.rows)
+            run = bench.run(BATCHED_PLAIN if args.no_drafter else BATCHED, args.workload, args.rows)
             if profile is not None:
                 profile.disable()
             wall = time.perf_counter() - t0
