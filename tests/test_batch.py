@@ -36,7 +36,7 @@ from mlxspec.errors import UsageError
 from mlxspec.models.dflash import DFlashDraftModel
 from mlxspec.options import ConstraintSpec
 from stats_helpers import battery_keys, battery_pvalues, exact_joint, shift_at, simulated_power
-from stream_helpers import drain
+from stream_helpers import drain, random_schedule
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
@@ -96,27 +96,10 @@ def run_schedule(spec, seed: int, alone: list, max_rows: int = 4, requests: int 
     rng = random.Random(seed)
     batch = spec.batch(max_rows)
     queue = [i for i in (rng.randrange(len(REQUESTS)) for _ in range(requests)) if alone[i] is not None]
-    live, finished, cancelled, most = [], [], 0, 0
-    while queue or live:
-        if queue and not batch.full and (not live or rng.random() < 0.4):
-            i = queue.pop()
-            live.append((i, spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]), []))
-        for entry in list(live):
-            i, stream, got = entry
-            # the client leaves: now and then, and at least once a schedule (after two finished)
-            if got and (rng.random() < 0.01 or (not cancelled and len(finished) >= 2)):
-                stream.close()
-                live.remove(entry)
-                cancelled += 1
-                continue
-            try:
-                got.extend(next(stream).tokens)
-            except StopIteration:
-                live.remove(entry)
-                finished.append((i, got))
-        most = max(most, len(batch.rows))
-    assert len(batch) == 0 and batch.cache.layers is None  # every row left
-    return finished, cancelled, most
+    return random_schedule(
+        batch, queue, lambda i: spec.stream_in(batch, REQUESTS[i][0], reuse=False, **REQUESTS[i][1]), rng, 0.4,
+        # the client leaves: now and then, and at least once a schedule (after two finished)
+        lambda finished, cancelled: rng.random() < 0.01 or (not cancelled and len(finished) >= 2))
 
 
 @pytest.mark.parametrize("target", ["attn", "hybrid"])

@@ -25,7 +25,7 @@ from mlxspec.engine.batch import BatchedDecoder, RowPlan
 from mlxspec.engine.batch_pipeline import Pipeline
 from mlxspec.engine.drafters.pld import PromptLookupDrafter
 from mlxspec.engine.sampling import SamplingParams
-from stream_helpers import drain
+from stream_helpers import drain, random_schedule
 
 MODELS = Path(__file__).resolve().parent.parent / "benchmarks" / "models"
 
@@ -177,24 +177,9 @@ def run_schedule(spec, seed: int, alone: list, requests: int = 9):
     rng = random.Random(seed)
     batch = spec.batch(3)
     queue = [rng.randrange(len(REQUESTS)) for _ in range(requests)]
-    live, finished, cancelled = [], [], 0
-    while queue or live:
-        if queue and not batch.full and (not live or rng.random() < 0.3):
-            i = queue.pop()
-            live.append((i, spec.stream_in(batch, REQUESTS[i][0], reuse=False, seed=0, **REQUESTS[i][1]), []))
-        for entry in list(live):
-            i, stream, got = entry
-            if got and rng.random() < 0.015:
-                stream.close()
-                live.remove(entry)
-                cancelled += 1
-                continue
-            try:
-                got.extend(next(stream).tokens)
-            except StopIteration:
-                live.remove(entry)
-                finished.append((i, got))
-    assert len(batch) == 0 and batch.cache.layers is None
+    finished, cancelled, _ = random_schedule(
+        batch, queue, lambda i: spec.stream_in(batch, REQUESTS[i][0], reuse=False, seed=0, **REQUESTS[i][1]),
+        rng, 0.3, lambda finished, cancelled: rng.random() < 0.015)
     return finished, cancelled
 
 

@@ -15,9 +15,12 @@ Each row runs exactly what the single-request loop runs for it (speculate.py): t
 gate decisions, the same draws from its own random stream in the same order (``sample`` for
 a plain step, ``accept`` for a verify, on the row's own rows of the logits), so a row's
 tokens are those of its request served alone, at any temperature, whatever its neighbours
-do. That includes the single-request loop's pipelining: a plain step of every row queues the
-next plain step behind it when every row will decode plainly again (``Row.stays_plain_next``),
-and a row's constraint, penalties and logprobs (``row_rules.RowRules``) shape its own rows.
+do. That includes the single-request loop's pipelining: a plain step of every row queues the next
+plain step behind it when every row will decode plainly again (``Row.stays_plain_next``). A
+batch of greedy rows that nothing else reads goes further (``batch_pipeline.py``): each step
+launches its successor before it is read, every row guessing on its own, so such a row may
+verify at other steps than alone, which changes none of its tokens (each is the target's
+argmax at its position). A row's constraint, penalties and logprobs (``row_rules.RowRules``) shape its own rows.
 Drafters: prompt lookup, none, an MTP head, a draft model and DFlash (chains): each row has
 its own drafter instance (its own head, draft-model or block-drafter cache, B = 1; an MTP head
 gets its row of the batched forward's hidden states, DFlash its row of the layers it reads,
