@@ -190,12 +190,12 @@ def test_rows_joining_and_leaving_a_pipelined_batch_give_their_tokens_alone(spec
     monkeypatch.setattr(Pipeline, "leave",
                         lambda self, row: (left_in_flight.append(self.flight is not None), real_leave(self, row))[1])
     done = cancelled = 0
-    for seed in range(3):
+    for seed in range(2):
         finished, c = run_schedule(spec, seed, alone)
         for i, got in finished:
             assert got == alone[i], (seed, i)
         done, cancelled = done + len(finished), cancelled + c
-    assert done >= 15 and cancelled >= 2, (done, cancelled)
+    assert done >= 10 and cancelled >= 2, (done, cancelled)
     assert counted.drains >= 2 and sum(left_in_flight) >= 3, (counted.drains, left_in_flight)
 
 
