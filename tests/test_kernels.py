@@ -192,9 +192,9 @@ def test_bucket_and_eligibility():
 
 def test_tensor_core_eligibility_and_route(monkeypatch):
     """2..32 rows of bf16/fp16 activations on 4-bit weights, K a multiple of 128, go to the
-    tensor-core kernel, 33..128 rows to it in even pieces of at most 32 (each row's output where
+    tensor-core kernel, 33..72 rows to it in even pieces of at most 32 (each row's output where
     its own input row is); float32 activations take the small-M kernel up to 8 rows; 8-bit, an
-    odd K, 1 row and 129 rows are not the tensor-core kernel's."""
+    odd K, 1 row and 73 rows are not the tensor-core kernel's."""
     w, s, b = mx.quantize(mx.random.normal((64, 256)).astype(mx.bfloat16), group_size=64, bits=4)
     assert qmm_tc.eligible(mx.bfloat16, w, s, b, 64, 4, "affine")
     assert not qmm_tc.eligible(mx.float32, w, s, b, 64, 4, "affine")
@@ -222,13 +222,13 @@ def test_tensor_core_eligibility_and_route(monkeypatch):
     x = mx.arange(8 * 5 * 256).reshape(8, 5, 256).astype(mx.bfloat16)
     y = mlp.layers[0](x)
     assert wide[4:] == [20, 20] and y.shape == (8, 5, 64) and mx.array_equal(y, x[..., :64])
-    for rows in (33, 128, 129):
+    for rows in (33, 72, 73):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
-    assert wide[6:] == [17, 16, 32, 32, 32, 32]  # 129 rows: MLX's
+    assert wide[6:] == [17, 16, 24, 24, 24]  # 73 rows: MLX's
     monkeypatch.setattr(qmm, "TC_ROWS", range(0))
     for rows in (8, 20, 40):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
-    assert len(wide) == 12 and small == [2, 8]
+    assert len(wide) == 11 and small == [2, 8]
 
 
 def _quantized_mlp():

@@ -209,8 +209,8 @@ def test_tensor_core_rows_do_not_depend_on_the_other_rows():
 
 def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs (its
-    dequantized weights'), 33..128 rows to it in even pieces (8 rows of 5 tokens: two of 20);
-    129 rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
+    dequantized weights'), 33..72 rows to it in even pieces (8 rows of 5 tokens: two of 20);
+    73 rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
     mx.random.seed(3)
     layers = []
     for bits in (4, 8):
@@ -219,7 +219,7 @@ def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
         layers.append(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits))
     model = nn.Sequential(*layers)
     monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
-    xs = {rows: mx.random.normal((1, rows, 1536)).astype(mx.bfloat16) for rows in (4, 9, 20, 32, 33, 129)}
+    xs = {rows: mx.random.normal((1, rows, 1536)).astype(mx.bfloat16) for rows in (4, 9, 20, 32, 33, 73)}
     xs[40] = mx.random.normal((8, 5, 1536)).astype(mx.bfloat16)
     want = {rows: [_reference(x, layer["weight"], layer["scales"], layer["biases"], 64, layer.bits)
                    for layer in model.layers] for rows, x in xs.items()}

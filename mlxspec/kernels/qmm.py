@@ -222,8 +222,10 @@ TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
 # Rows past it, up to this many, go to the same kernel in equal pieces of at most its 32 rows
 # (split_quantized_matmul): a batch's verify of 8 rows of 5 tokens is 40 rows, and MLX's matmul
 # there made a waited 8 x 5 forward of the 8B shape cost 38.4 ms against 13.8 for 4 x 5 on an
-# H200 (diag-batch-forward-h200-8b-split-uniform.json). Each piece reads the weights again.
-TC_SPLIT_MAX = 128
+# H200 (diag-batch-forward-h200-8b-split-uniform.json). Each piece reads the weights again:
+# measured faster than MLX's matmul at 40 and 72 rows (8 rows of 5 and of 9 tokens); past 72
+# (a prompt's prefill chunk, say) MLX's was not measured against it, so it keeps those.
+TC_SPLIT_MAX = 72
 
 
 def _kernel_for(module, x: mx.array):
