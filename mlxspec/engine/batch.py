@@ -346,9 +346,10 @@ class BatchedDecoder:
 
     def _decode(self) -> None:
         rows = list(self.rows)
-        if self._pipe.flight is not None or (self._queued is None and self._pipelines(rows)):
+        pipelined = self._pipelines(rows)
+        if self._pipe.flight is not None or (self._queued is None and pipelined):
             self._ahead.drop()
-            self._pipe.step(rows, drain=not self._pipelines(rows))
+            self._pipe.step(rows, drain=not pipelined)
             self._stepped(rows)
             return
         queued, self._queued = self._queued, None

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .batch_step import Step, fill_pads, greedy_accept
+from .batch_step import Step, fill_pads, greedy_accept, greedy_rows
 from .drafters.base import Draft
 
 REAL, GUESS, PLAIN, JUNK = "real", "guess", "plain", "junk"  # PLAIN: fed the token before, on the device
@@ -73,7 +73,6 @@ class Flight:
     rows: list
     entries: list[Entry]
     slot: list[int]
-    width: int
     n_acc: mx.array
     tokens: mx.array
 
@@ -93,9 +92,8 @@ class Pipeline:
         """Whether ROWS may be pipelined: two or more (one row runs the single-request loop's
         own queued steps), each greedy with nothing reading its rows and drafting on the host
         (prompt lookup) or not at all."""
-        return len(rows) >= 2 and all(
-            r.sampling.greedy and not r.rules.reads_rows and not r.needs_hidden
-            and (r.drafter is None or not r.drafter.uses_model) for r in rows)
+        return len(rows) >= 2 and greedy_rows(rows) and all(
+            not r.needs_hidden and (r.drafter is None or not r.drafter.uses_model) for r in rows)
 
     def step(self, rows: list, drain: bool = False) -> None:
         """Read the flight in flight (launched now if there is none); unless DRAIN (rows are
@@ -199,4 +197,4 @@ class Pipeline:
         mx.async_eval(n_acc, tokens)
         for e in entries:
             e.held = width
-        return Flight(list(rows), entries, list(range(len(rows))), width, n_acc, tokens)
+        return Flight(list(rows), entries, list(range(len(rows))), n_acc, tokens)
