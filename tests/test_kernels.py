@@ -192,9 +192,9 @@ def test_bucket_and_eligibility():
 
 def test_tensor_core_eligibility_and_route(monkeypatch):
     """2..32 rows of bf16/fp16 activations on 4-bit weights, K a multiple of 128, go to the
-    tensor-core kernel, 33..72 rows to it in even pieces of at most 32 (each row's output where
-    its own input row is); float32 activations take the small-M kernel up to 8 rows; 8-bit, an
-    odd K, 1 row and 73 rows are not the tensor-core kernel's."""
+    tensor-core kernel, 33..72 rows to it too (in even pieces of at most 32, one call); float32
+    activations take the small-M kernel up to 8 rows; 8-bit, an odd K, 1 row and 73 rows are
+    not the tensor-core kernel's."""
     w, s, b = mx.quantize(mx.random.normal((64, 256)).astype(mx.bfloat16), group_size=64, bits=4)
     assert qmm_tc.eligible(mx.bfloat16, w, s, b, 64, 4, "affine")
     assert not qmm_tc.eligible(mx.float32, w, s, b, 64, 4, "affine")
@@ -211,24 +211,30 @@ def test_tensor_core_eligibility_and_route(monkeypatch):
     monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
     assert qmm.install(mlp) == 1
     wide, small = [], []
-    monkeypatch.setattr(qmm_tc, "quantized_matmul", lambda x, w, *a, **k: wide.append(x.shape[-2]) or x[..., :64])
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
     monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
     for rows in (1, 2, 8, 9, 32):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
     for rows in (2, 20):
         mlp.layers[0](mx.zeros((1, rows, 256)))  # float32 activations
     assert wide == [2, 8, 9, 32] and small == [2]
-    # 40 rows (8 rows of 5 tokens): two pieces of 20, each row's output in its own place
+    # 40 rows (8 rows of 5 tokens): one call, in X's own shape
     x = mx.arange(8 * 5 * 256).reshape(8, 5, 256).astype(mx.bfloat16)
     y = mlp.layers[0](x)
-    assert wide[4:] == [20, 20] and y.shape == (8, 5, 64) and mx.array_equal(y, x[..., :64])
+    assert wide[4:] == [40] and y.shape == (8, 5, 64) and mx.array_equal(y, x[..., :64])
     for rows in (33, 72, 73):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
-    assert wide[6:] == [17, 16, 24, 24, 24]  # 73 rows: MLX's
+    assert wide[5:] == [33, 72]  # 73 rows: MLX's
     monkeypatch.setattr(qmm, "TC_ROWS", range(0))
     for rows in (8, 20, 40):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
-    assert len(wide) == 11 and small == [2, 8]
+    assert len(wide) == 7 and small == [2, 8]
+    # the kernel's pieces (a grid row each): as few as fit 32 rows, as even as can be
+    assert [qmm_tc.pieces(r) for r in (1, 32, 33, 40, 64, 72, 256)] == [
+        (1, 1), (1, 32), (2, 17), (2, 20), (2, 32), (3, 24), (8, 32)]
+    plan, dims = qmm_tc._launch(40, 4096, 1024, 64, mx.bfloat16, 2, None)
+    assert plan["grid"][1] == 2 and dict(plan["template"])["NT"] == 3 and dims.tolist() == [40, 4096, 1024, 64, 20]
 
 
 def _quantized_mlp():

@@ -10,8 +10,9 @@ sources compile, and that the fallback is mlx-lm's path).
   autodiff through mlx-lm's ops.
 - The small-M quantized matmul equals ``mx.quantized_matmul`` for 4/8 bits, groups 32/64/128,
   1..8 rows, float32 and bfloat16; the tensor-core one (4-bit, bf16/fp16) equals MLX's
-  dequantized weights times x at 1..32 rows, every tile and split of K, gives a row the same
-  bits at any call width, and a swapped layer sends its 2..32-row verifies to it.
+  dequantized weights times x at 1..72 rows (past 32 in pieces, one call), every tile and split
+  of K, gives a row the same bits at any call width, and a swapped layer sends its 2..72-row
+  verifies to it.
 - On the trained mini-hybrid model, kernels on and off give the same greedy text, and
   temperature-0 speculation with the kernels is plain decoding with them (float32).
 - Verify attention equals a float64 NumPy reference (float32 to 1e-4; bf16/fp16 to 1e-2) and
@@ -182,7 +183,7 @@ def test_tensor_core_qmm_matches_mlx(group_size, dtype):
     w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(dtype), group_size=group_size, bits=4)
     assert qmm_tc.split_k(N, K, 2) == 4
     cases = [(rows, col_tiles, None) for rows in (1, 8, 9, 17, 32) for col_tiles in (1, 2)]
-    cases += [(20, 2, 1), (24, 2, 8)]
+    cases += [(20, 2, 1), (24, 2, 8), (33, 2, None), (40, 1, None), (72, 2, None)]  # 2, 2 and 3 pieces
     for rows, col_tiles, warps in cases:
         x = mx.random.normal((rows, K)).astype(dtype)
         want = _reference(x, w, scales, biases, group_size, 4)
@@ -200,16 +201,16 @@ def test_tensor_core_rows_do_not_depend_on_the_other_rows():
     mx.random.seed(11)
     N, K = 1000, 1536
     w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(mx.bfloat16), group_size=64, bits=4)
-    x = mx.random.normal((32, K)).astype(mx.bfloat16)
-    full = qmm_tc.quantized_matmul(x, w, scales, biases, group_size=64)
-    for rows in (1, 5, 8, 9, 20):
+    x = mx.random.normal((72, K)).astype(mx.bfloat16)
+    full = qmm_tc.quantized_matmul(x, w, scales, biases, group_size=64)  # 3 pieces of 24
+    for rows in (1, 5, 8, 9, 20, 32, 33, 40):
         part = qmm_tc.quantized_matmul(x[:rows], w, scales, biases, group_size=64)
         assert mx.array_equal(part, full[:rows]).item(), rows
 
 
 def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     """A swapped layer sends 2..32 bf16 rows to the tensor-core kernel with MLX's outputs (its
-    dequantized weights'), 33..72 rows to it in even pieces (8 rows of 5 tokens: two of 20);
+    dequantized weights'), 33..72 rows to it in one call of even pieces (8 rows of 5 tokens: two of 20);
     73 rows, and 8-bit weights past 8 rows, stay on MLX's matmul."""
     mx.random.seed(3)
     layers = []
@@ -226,11 +227,12 @@ def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     assert qmm.install(model) == 2
     calls = []
     real = qmm_tc.quantized_matmul
-    monkeypatch.setattr(qmm_tc, "quantized_matmul", lambda x, *a, **k: calls.append(x.shape[-2]) or real(x, *a, **k))
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, *a, **k: calls.append(x.size // x.shape[-1]) or real(x, *a, **k))
     for rows, x in xs.items():
         for layer, w in zip(model.layers, want[rows]):
             _close(layer(x), w, TOL[mx.bfloat16])
-    assert calls == [4, 9, 20, 32, 17, 16, 20, 20]
+    assert calls == [4, 9, 20, 32, 33, 40]
 
 
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):

@@ -219,8 +219,8 @@ def _launch(rows: int, K: int, N: int, group_size: int, bits: int, dtype) -> tup
 # or fp16): on the 8B shape's matrices it beat this module's kernel at 2..8 rows and MLX's at
 # 2..32 (docs/benchmarks.md). range(0) leaves every row count to the paths before it.
 TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
-# Rows past it, up to this many, go to the same kernel in equal pieces of at most its 32 rows
-# (split_quantized_matmul): a batch's verify of 8 rows of 5 tokens is 40 rows, and MLX's matmul
+# Rows past it, up to this many, go to the same kernel in even pieces of at most its 32 rows
+# (qmm_tc.pieces, one call): a batch's verify of 8 rows of 5 tokens is 40 rows, and MLX's matmul
 # there made a waited 8 x 5 forward of the 8B shape cost 38.4 ms against 13.8 for 4 x 5 on an
 # H200 (diag-batch-forward-h200-8b-split-uniform.json). Each piece reads the weights again:
 # measured faster than MLX's matmul at 40 and 72 rows (8 rows of 5 and of 9 tokens); past 72
@@ -239,22 +239,8 @@ def _kernel_for(module, x: mx.array):
     if not (wide or split or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
         return None
     if (wide or split) and module.tc_layout and x.dtype == module.kernel_dtype:
-        return qmm_tc.quantized_matmul if wide else split_quantized_matmul
+        return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
-
-
-def split_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
-                           group_size: int, bits: int) -> mx.array:
-    """The tensor-core kernel over X's rows (all leading axes together) in equal pieces of at
-    most its MAX_ROWS, the pieces' outputs joined in X's leading shape: each row's sums are the
-    ones the kernel makes for it whatever piece it is in."""
-    K = x.shape[-1]
-    flat = x.reshape(-1, K)
-    rows = flat.shape[0]
-    step = -(-rows // -(-rows // qmm_tc.MAX_ROWS))  # rows a piece, the pieces as even as can be
-    y = mx.concatenate([qmm_tc.quantized_matmul(flat[i: i + step], w, scales, biases, group_size=group_size,
-                                                bits=bits) for i in range(0, rows, step)])
-    return y.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _matmul(module, x: mx.array, kernel) -> mx.array:

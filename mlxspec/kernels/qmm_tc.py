@@ -39,7 +39,8 @@ from .switch import compact, int_array, quantized_matmul_kernel, run_quantized_m
 BITS = 4
 GROUP_SIZES = (32, 64, 128)
 K_STEP = 128  # k a warp covers per loop pass: 4 lanes x 32 values
-MAX_ROWS = 32
+MAX_ROWS = 32  # rows a block computes (4 tiles of 8); more rows go in even pieces, a piece a grid row
+MAX_CALL_ROWS = 8 * MAX_ROWS
 DTYPES = (mx.bfloat16, mx.float16)
 
 _HEADER = """
@@ -92,11 +93,13 @@ template <> __device__ inline void mma16816<__half>(float* c, const uint32_t* a,
 _SOURCE = """
     // x: [M, K]; w: [N, K / 8] uint32; scales, biases: [N, K / GS]; y: [M, N]
     // Template: InT (bf16 or fp16), MT (16-column tiles a warp), NT (8-row tiles), KW (warps a block).
+    // Rows in pieces of P (at most 32): grid y is the piece, rows row0 .. row0 + MP - 1.
     using H2 = typename Half2<InT>::type;
-    const int M = dims[0];
     const int K = dims[1];
     const int N = dims[2];
     const int GS = dims[3];
+    const int row0 = blockIdx.y * dims[4];
+    const int MP = min(dims[4], dims[0] - row0);
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     const int g = lane / 4;   // mma group: A row (output column) g and g + 8, B column (x row) g
@@ -114,7 +117,7 @@ _SOURCE = """
     int xrow[NT];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        xrow[nt] = min(8 * nt + g, M - 1);                 // past M: a duplicate, never written
+        xrow[nt] = row0 + min(8 * nt + g, MP - 1);         // past the piece: a duplicate, never written
     }
     float acc[MT][NT][4];
     #pragma unroll
@@ -194,8 +197,8 @@ _SOURCE = """
         // rows are output columns here, cols are x rows.
         const int col = col0 + 16 * mt + el / 4 + (r >= 2 ? 8 : 0);
         const int row = 8 * nt + 2 * (el % 4) + (r % 2);
-        if (row < M && col < N) {
-            y[(size_t)row * N + col] = static_cast<InT>(total);
+        if (row < MP && col < N) {
+            y[(size_t)(row0 + row) * N + col] = static_cast<InT>(total);
         }
     }
 """
@@ -228,13 +231,23 @@ def split_k(n_cols: int, k: int, col_tiles: int) -> int:
     return kw
 
 
+def pieces(rows: int) -> tuple[int, int]:
+    """(pieces, rows a piece) of a call of ROWS rows: as few pieces of at most MAX_ROWS as can
+    be, as even as can be (40 rows: two of 20)."""
+    count = -(-rows // MAX_ROWS)
+    return count, -(-rows // count)
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *,
                      group_size: int, bits: int = BITS, col_tiles: int = 2, warps: int | None = None) -> mx.array:
     """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)`` for x of at most
-    :data:`MAX_ROWS` rows (all leading axes together), on tensor cores."""
+    :data:`MAX_CALL_ROWS` rows (all leading axes together), on tensor cores. Past MAX_ROWS the
+    rows go in :func:`pieces`, each reading the weights again, all in one call: a call's host
+    time is what a wide verify pays most on CUDA (a call a piece made an 8 x 5 forward of the 8B
+    shape cost the host 23.7 ms against 10.4 for 4 x 5, diag-launch-overlap-h100-8b.json)."""
     if bits != BITS:
         raise ValueError(f"the tensor-core kernel takes {BITS}-bit weights, got {bits}")
-    return run_quantized_matmul(_kernel, x, w, scales, biases, max_rows=MAX_ROWS,
+    return run_quantized_matmul(_kernel, x, w, scales, biases, max_rows=MAX_CALL_ROWS,
                                 name="tensor-core quantized matmul",
                                 plan=lambda rows, K, N: _launch(rows, K, N, group_size, x.dtype, col_tiles, warps))
 
@@ -242,9 +255,11 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
 @functools.lru_cache(maxsize=1024)
 def _launch(rows: int, K: int, N: int, group_size: int, dtype, col_tiles: int,
             warps: int | None) -> tuple[dict, mx.array]:
-    """A call's template, grid and block, and its dims array: made once a shape (host time a
-    call is what a verify pays for on CUDA)."""
+    """A call's template, grid (column blocks x pieces) and block, and its dims array: made once
+    a shape (host time a call is what a verify pays for on CUDA). A row's sums do not depend on
+    its piece: the K split is the matrix's alone."""
     kw = warps or split_k(N, K, col_tiles)
-    launch = {"template": [("InT", dtype), ("MT", col_tiles), ("NT", -(-rows // 8)), ("KW", kw)],
-              "grid": (32 * kw * -(-N // (16 * col_tiles)), 1, 1), "threadgroup": (32 * kw, 1, 1)}
-    return launch, int_array(rows, K, N, group_size)
+    count, piece = pieces(rows)
+    launch = {"template": [("InT", dtype), ("MT", col_tiles), ("NT", -(-piece // 8)), ("KW", kw)],
+              "grid": (32 * kw * -(-N // (16 * col_tiles)), count, 1), "threadgroup": (32 * kw, 1, 1)}
+    return launch, int_array(rows, K, N, group_size, piece)
