@@ -16,6 +16,29 @@ LONGEST_FIRST = ("test_gguf_real.py", "test_batch.py", "test_bench_real.py", "te
                  "test_penalties.py", "test_surfaces_exact.py")
 
 
+def _one_ssl_context() -> None:
+    """Every top-level httpx call (``httpx.post``, an OpenAI or Anthropic client) builds a client,
+    and each client loaded certifi's CA bundle into a new SSL context: about 40 ms a call here,
+    while every server these tests talk to is plain http on 127.0.0.1. The default context is
+    made once and shared (an SSLContext serves many connections); other arguments build their
+    own, as httpx does."""
+    from httpx._transports import default
+
+    made, build = {}, default.create_ssl_context
+
+    def shared(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in made:
+            made[trust_env] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return made[trust_env]
+
+    default.create_ssl_context = shared
+
+
+_one_ssl_context()
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
