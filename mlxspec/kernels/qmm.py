@@ -233,12 +233,11 @@ def _kernel_for(module, x: mx.array):
     matmul). Decided once a call, the row count first: decoding is host-bound on CUDA, so its
     one row must cost next to nothing more than MLX's own layer (docs/benchmarks.md)."""
     rows = x.size // x.shape[-1]
-    wide = rows in TC_ROWS
-    split = bool(TC_ROWS) and qmm_tc.MAX_ROWS < rows <= TC_SPLIT_MAX
+    wide = rows in TC_ROWS or (bool(TC_ROWS) and qmm_tc.MAX_ROWS < rows <= TC_SPLIT_MAX)
     small = MIN_ROWS <= rows <= MAX_ROWS
-    if not (wide or split or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
+    if not (wide or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
         return None
-    if (wide or split) and module.tc_layout and x.dtype == module.kernel_dtype:
+    if wide and module.tc_layout and x.dtype == module.kernel_dtype:
         return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
 
