@@ -81,19 +81,28 @@ def main() -> None:
     args = ap.parse_args()
     vocab = vocab_size(args.shape)
     model = random_model(args.shape, kernels=not args.no_kernels)
-    out = {"shape": args.shape, "context": args.context, "spread": args.spread, "kernels": not args.no_kernels,
-           "cells": []}
+    out = {"shape": args.shape, "context": args.context, "spread": args.spread, "kernels": not args.no_kernels}
+
+    def measure(cache: RaggedCache, rows: int, width: int) -> dict:
+        # every row keeps one token (the worst ragged case: all junk but the first) ...
+        even = time_forward(cache, rows, width, args.reps, vocab, lambda w: [w - 1] * rows)
+        # ... or row i keeps i + 1 (a different amount a row: the gather runs)
+        uneven = time_forward(cache, rows, width, args.reps, vocab, lambda w: [max(w - 1 - i, 0) for i in range(rows)])
+        trim = even.pop("rollback_ms")
+        return {**even, "rollback_trim_ms": trim, "rollback_ragged_ms": uneven["rollback_ms"]}
+
+    sweep(model, args, vocab, args.spread, measure, out)
+
+
+def sweep(model, args, vocab: int, spread: int, measure, out: dict) -> None:
+    """For each of ARGS.rows, a ragged cache of that many rows (prefilled once), then
+    ``measure(cache, rows, width)`` for each of ARGS.widths: each cell printed as it comes, all
+    of them in OUT["cells"], written to ARGS.json."""
+    out["cells"] = []
     for rows in [int(x) for x in args.rows.split(",")]:
-        cache = ragged(model, rows, args.context, vocab, args.spread)
+        cache = ragged(model, rows, args.context, vocab, spread)
         for width in [int(x) for x in args.widths.split(",")]:
-            # every row keeps one token (the worst ragged case: all junk but the first) ...
-            all_junk = lambda w: [w - 1] * rows  # noqa: E731
-            # ... or row i keeps i + 1 (a different amount a row: the gather runs)
-            uneven = lambda w: [max(w - 1 - i, 0) for i in range(rows)]  # noqa: E731
-            even = time_forward(cache, rows, width, args.reps, vocab, all_junk)
-            roll = time_forward(cache, rows, width, args.reps, vocab, uneven)["rollback_ms"]
-            trim = even.pop("rollback_ms")
-            cell = {"rows": rows, "width": width, **even, "rollback_trim_ms": trim, "rollback_ragged_ms": roll}
+            cell = {"rows": rows, "width": width, **measure(cache, rows, width)}
             out["cells"].append(cell)
             print(json.dumps(cell), flush=True)
         del cache

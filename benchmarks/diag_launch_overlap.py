@@ -13,7 +13,6 @@ overlap them. Medians of REPS, ms; MLX's CUDA graph settings (``MLX_MAX_OPS_PER_
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.diag_batch_forward import ragged
+from benchmarks.diag_batch_forward import sweep
 from mlxspec.bench.synthetic import random_model, vocab_size
 
 ENV = ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS", "MLX_CUDA_GRAPH_CACHE_SIZE")
@@ -73,17 +72,8 @@ def main() -> None:
     args = ap.parse_args()
     vocab = vocab_size(args.shape)
     model = random_model(args.shape)
-    out = {"shape": args.shape, "context": args.context, "env": {k: os.environ.get(k) for k in ENV}, "cells": []}
-    for rows in [int(x) for x in args.rows.split(",")]:
-        cache = ragged(model, rows, args.context, vocab, spread=0)
-        for width in [int(x) for x in args.widths.split(",")]:
-            cell = {"rows": rows, "width": width, **time_pair(cache, rows, width, args.reps, vocab)}
-            out["cells"].append(cell)
-            print(json.dumps(cell), flush=True)
-        del cache
-        mx.clear_cache()
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+    out = {"shape": args.shape, "context": args.context, "env": {k: os.environ.get(k) for k in ENV}}
+    sweep(model, args, vocab, 0, lambda cache, rows, width: time_pair(cache, rows, width, args.reps, vocab), out)
 
 
 if __name__ == "__main__":
