@@ -272,8 +272,8 @@ def test_plain_rows_queue_each_next_step(spec, monkeypatch):
     queued = []
     real = BatchedDecoder._queue_plain
 
-    def spy(self, rows, tokens):
-        real(self, rows, tokens)
+    def spy(self, rows, tokens, pipelined):
+        real(self, rows, tokens, pipelined)
         queued.append(self._queued is not None)
 
     monkeypatch.setattr(BatchedDecoder, "_queue_plain", spy)

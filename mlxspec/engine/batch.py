@@ -381,7 +381,7 @@ class BatchedDecoder:
         else:
             mx.async_eval([res[:2] for res in results])
         if width == 1:
-            self._queue_plain(rows, tokens[:, :1] if together else mx.stack([o for _, o, _ in results]))
+            self._queue_plain(rows, tokens[:, :1] if together else mx.stack([o for _, o, _ in results]), pipelined)
         elif not self.joining and BatchAhead.can_guess(rows, self.cache):
             guess = self._ahead.make(rows, plans, width)
             if guess is not None:
@@ -408,11 +408,12 @@ class BatchedDecoder:
             if r.finished:
                 self._leave(r)
 
-    def _queue_plain(self, rows: list[Row], tokens: mx.array) -> None:
+    def _queue_plain(self, rows: list[Row], tokens: mx.array, pipelined: bool) -> None:
         """After a plain step of every row, queue the next one behind it (its inputs: this
         step's TOKENS (B, 1), still on the device) when every row will decode plainly again, as
-        the single-request loop decides it; not while a row is joining (it changes the batch)."""
-        if self.joining or self._pipelines(rows) or not all(r.stays_plain_next() for r in rows):
+        the single-request loop decides it; not while a row is joining (it changes the batch),
+        nor when the next step is PIPELINED (``_pipelines``: it launches its own)."""
+        if self.joining or pipelined or not all(r.stays_plain_next() for r in rows):
             return
         logits, hidden = self._forward(tokens.astype(mx.uint32), rows)  # (B, 1, V)
         if greedy_rows(rows):
