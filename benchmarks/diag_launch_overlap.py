@@ -6,11 +6,8 @@ the forward in flight and pipelining a batch's steps (``engine/batch_pipeline.py
 overlap them. Medians of REPS, ms; MLX's CUDA graph settings (``MLX_MAX_OPS_PER_BUFFER``,
 ``MLX_USE_CUDA_GRAPHS``) come from the environment and are echoed in the output.
 
---fused both: each cell is timed with sibling layers in one call (``kernels/fused.py``) and
-without (each layer its own call), in turn, so the two are paired on one machine.
-
     python3 benchmarks/diag_launch_overlap.py [--shape qwen3-8b] [--rows 1,4] [--widths 1,5]
-        [--context 512] [--reps 6] [--fused on|off|both] [--json OUT]
+        [--context 512] [--reps 6] [--json OUT]
 """
 
 from __future__ import annotations
@@ -64,16 +61,6 @@ def time_pair(cache, rows: int, width: int, reps: int, vocab: int) -> dict:
     return {f"{k}_ms": round(statistics.median(v), 3) for k, v in parts.items()}
 
 
-def fused_switch(model):
-    """set(on): the model's fused groups (kernels/fused.py) on or off."""
-    groups = [(m, m.fused) for m in model.modules() if getattr(m, "fused", None) is not None]
-
-    def set_fused(on: bool) -> None:
-        for m, member in groups:
-            m.fused = member if on else None
-    return set_fused
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b")
@@ -81,25 +68,12 @@ def main() -> None:
     ap.add_argument("--widths", default="1,5")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=6)
-    ap.add_argument("--fused", choices=("on", "off", "both"), default="on")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     vocab = vocab_size(args.shape)
     model = random_model(args.shape)
-    set_fused = fused_switch(model)
-    out = {"shape": args.shape, "context": args.context, "env": {k: os.environ.get(k) for k in ENV},
-           "fused_layers": len([m for m in model.modules() if getattr(m, "fused", None) is not None])}
-
-    def cell(cache, rows, width):
-        res = {}
-        for on in (True, False) if args.fused == "both" else (args.fused == "on",):
-            set_fused(on)
-            res.update({f"{k}{'' if args.fused != 'both' else '_fused' if on else '_apart'}": v
-                        for k, v in time_pair(cache, rows, width, args.reps, vocab).items()})
-        set_fused(True)
-        return res
-
-    sweep(model, args, vocab, 0, cell, out)
+    out = {"shape": args.shape, "context": args.context, "env": {k: os.environ.get(k) for k in ENV}}
+    sweep(model, args, vocab, 0, lambda cache, rows, width: time_pair(cache, rows, width, args.reps, vocab), out)
 
 
 if __name__ == "__main__":

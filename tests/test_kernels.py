@@ -119,10 +119,6 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
                                [("x", dtype), ("w", mx.uint32), ("scales", dtype), ("biases", dtype),
                                 ("dims", mx.int32)],
                                [("y", dtype)], [("InT", dtype), ("MT", col_tiles), ("NT", row_tiles), ("KW", 4)]))
-    fused_in = [("x", mx.bfloat16)] + [(f"{n}{i}", mx.uint32 if n == "w" else mx.bfloat16)
-                                        for i in range(3) for n in ("w", "scales", "biases")] + [("dims", mx.int32)]
-    units.append(_wrap("qmm_tc_fused_3", qmm_tc.fused_source(3), fused_in, [(f"y{i}", mx.bfloat16) for i in range(3)],
-                       [("InT", mx.bfloat16), ("MT", 2), ("NT", 4), ("KW", 8)]))
     cu = tmp_path / "kernels.cu"
     units += _attention_units()
     cu.write_text(_PRELUDE + qmm._HEADER + qmm_tc._HEADER + attention._HEADER
@@ -134,19 +130,16 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-OFF = {"gdn": False, "qmm_layers": 0, "fused_groups": 0, "attention_modules": 0}
-
-
 def test_kernels_are_off_without_cuda_or_when_switched_off(monkeypatch):
     if not kernels.cuda():
         assert not kernels.active()
-        assert kernels.install(nn.Linear(4, 4)) == OFF
+        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
     monkeypatch.setattr(kernels.switch, "cuda", lambda: True)
     monkeypatch.setattr(kernels.switch, "enabled", True)
     assert kernels.active()
     with kernels.switched_off():
         assert not kernels.active() and os.environ[kernels.ENV] == "0"
-        assert kernels.install(nn.Linear(4, 4)) == OFF
+        assert kernels.install(nn.Linear(4, 4)) == {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
     assert kernels.active()
     monkeypatch.setattr(kernels.switch, "enabled", False)  # MLXSPEC_KERNELS=0 when the process started
     assert not kernels.active()
@@ -491,7 +484,7 @@ def test_install_rebinds_the_attention_modules_and_keeps_logits(monkeypatch, mlx
     # through kernels.install, as a loaded model gets it where the kernels are active
     monkeypatch.setattr(qwen3, "scaled_dot_product_attention", attention._mlx_lm_sdpa)
     monkeypatch.setattr(kernels, "active", lambda: True)
-    assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "fused_groups": 0, "attention_modules": 1}
+    assert kernels.install(model) == {"gdn": True, "qmm_layers": 0, "attention_modules": 1}
     assert qwen3.scaled_dot_product_attention is attention.scaled_dot_product_attention
 
     # a Qwen3.5 hybrid's full-attention layers come from qwen3_next; llama's from llama

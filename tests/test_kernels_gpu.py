@@ -39,7 +39,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 import gdn_grad  # tests/gdn_grad.py: the backward kernel, outside the package
 from mlxspec import kernels
-from mlxspec.kernels import attention, fused, gdn, qmm, qmm_tc
+from mlxspec.kernels import attention, gdn, qmm, qmm_tc
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.cuda(), reason="needs MLX's CUDA backend")]
@@ -206,39 +206,6 @@ def test_tensor_core_rows_do_not_depend_on_the_other_rows():
     for rows in (1, 5, 8, 9, 20, 32, 33, 40):
         part = qmm_tc.quantized_matmul(x[:rows], w, scales, biases, group_size=64)
         assert mx.array_equal(part, full[:rows]).item(), rows
-
-
-def test_a_fused_call_gives_each_matrix_its_own_calls_bits(monkeypatch):
-    """kernels/fused.py: sibling matrices of one input (q/k/v-like widths of one K split) in one
-    call give, bit for bit, each matrix's own tensor-core call, at 2..72 rows; a forward of a
-    swapped attention block makes one call for q, k and v."""
-    mx.random.seed(5)
-    K = 1536
-    mats = [mx.quantize(mx.random.normal((n, K)).astype(mx.bfloat16), group_size=64, bits=4)
-            for n in (1000, 256, 256)]
-    assert qmm_tc.fused_warps([1000, 256, 256], K) == 4
-    for shape in ((2, K), (9, K), (20, K), (33, K), (8, 5, K), (72, K)):
-        x = mx.random.normal(shape).astype(mx.bfloat16)
-        for count in (2, 3):
-            got = qmm_tc.fused_quantized_matmul(x, mats[:count], group_size=64)
-            for y, (w, scales, biases) in zip(got, mats[:count], strict=True):
-                assert mx.array_equal(y, qmm_tc.quantized_matmul(x, w, scales, biases, group_size=64)).item(), shape
-
-    block = nn.Module()
-    for name, n in zip(("q_proj", "k_proj", "v_proj"), (1000, 256, 256)):
-        layer = nn.Linear(K, n, bias=False)
-        layer.set_dtype(mx.bfloat16)
-        setattr(block, name, nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
-    x = mx.random.normal((1, 20, K)).astype(mx.bfloat16)
-    want = [_reference(x, m["weight"], m["scales"], m["biases"], 64, 4)
-            for m in (block.q_proj, block.k_proj, block.v_proj)]
-    monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 1 << 20)  # each matrix under it, the three over it
-    qmm.install(block)
-    assert fused.install(block) == 1
-    got = [block.q_proj(x), block.k_proj(x), block.v_proj(x)]
-    assert block.q_proj.fused.call.calls == 1
-    for g, w in zip(got, want):
-        _close(g, w, TOL[mx.bfloat16])
 
 
 def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):

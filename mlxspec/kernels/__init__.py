@@ -27,10 +27,10 @@ def install(model: nn.Module) -> dict:
     verify attention through the CUDA kernels where they are active; a no-op elsewhere.
     Returns what it did."""
     if not active():
-        return {"gdn": False, "qmm_layers": 0, "fused_groups": 0, "attention_modules": 0}
-    from . import attention, fused, gdn, qmm
+        return {"gdn": False, "qmm_layers": 0, "attention_modules": 0}
+    from . import attention, gdn, qmm
 
-    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model), "fused_groups": fused.install(model),
+    return {"gdn": gdn.install(), "qmm_layers": qmm.install(model),
             "attention_modules": attention.install(model)}
 
 
@@ -56,7 +56,4 @@ def uninstall(model: nn.Module) -> int:
                 rebind(module, attr, original)
                 undone += 1
     kernel_classes = tuple(qmm.SWAPS.values())
-    layers = [m for m in model.modules() if isinstance(m, kernel_classes)]
-    for m in layers:
-        vars(m).pop("fused", None)  # its group's call (fused.py)
-    return undone + sum(unswap_class(m) for m in layers)
+    return undone + sum(unswap_class(m) for m in model.modules() if isinstance(m, kernel_classes))

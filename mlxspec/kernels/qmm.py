@@ -229,21 +229,16 @@ TC_SPLIT_MAX = 72
 
 
 def _kernel_for(module, x: mx.array):
-    """The kernel X's rows take on MODULE: its group's fused call, the tensor-core one, this
-    module's, or None (MLX's matmul). Decided once a call, the row count first: decoding is
-    host-bound on CUDA, so its one row must cost next to nothing more than MLX's own layer
-    (docs/benchmarks.md)."""
+    """The kernel X's rows take on MODULE: the tensor-core one, this module's, or None (MLX's
+    matmul). Decided once a call, the row count first: decoding is host-bound on CUDA, so its
+    one row must cost next to nothing more than MLX's own layer (docs/benchmarks.md)."""
     rows = x.size // x.shape[-1]
     wide = rows in TC_ROWS or (bool(TC_ROWS) and qmm_tc.MAX_ROWS < rows <= TC_SPLIT_MAX)
     small = MIN_ROWS <= rows <= MAX_ROWS
-    if not (wide or small):
+    if not (wide or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
         return None
-    tc = wide and module.tc_layout and x.dtype == module.kernel_dtype
-    fused = tc and module.fused is not None  # its group's one call (fused.py), whatever its own size
-    if (not fused and module.weight_bytes < MIN_WEIGHT_BYTES) or not active():
-        return None
-    if tc:
-        return module.fused if fused else qmm_tc.quantized_matmul
+    if wide and module.tc_layout and x.dtype == module.kernel_dtype:
+        return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
 
 
@@ -259,7 +254,6 @@ class KernelRoute:
     weight_bytes = 0
     kernel_dtype = None
     tc_layout = False
-    fused = None  # a fused.FusedMember: this layer's output of its siblings' one call
 
 
 class SmallMQuantizedLinear(KernelRoute, nn.QuantizedLinear):

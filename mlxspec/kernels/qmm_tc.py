@@ -211,32 +211,6 @@ def _kernel():
     return quantized_matmul_kernel("mlxspec_qmm_tensor_cores", _HEADER, _SOURCE)
 
 
-# A fused call: grid z picks the matrix (its w, scales, biases, y and N); a block past its
-# matrix's columns ends at once. The body is _SOURCE unchanged, so each output is what that
-# matrix's own call computes, bit for bit, when the template (MT, NT, KW) is the same.
-_N_LINE = "const int N = dims[2];\n"
-_FUSED_N_LINE = "const int N = dims[5 + blockIdx.z];\nif (blockIdx.x * (16 * MT) >= N) return;\n"
-FUSED_MAX = 4  # matrices one fused call takes (Qwen3.5's linear attention reads 4 of one input)
-
-
-def fused_source(count: int) -> str:
-    """The kernel body for COUNT matrices (inputs x, w0, scales0, biases0, w1, ..., dims;
-    outputs y0, y1, ...; dims [rows, K, -, GS, piece, N0, N1, ...])."""
-    assert _SOURCE.count(_N_LINE) == 1
-    pick = "".join(f"if (blockIdx.z == {i}) {{ w = w{i}; scales = scales{i}; biases = biases{i}; y = y{i}; }}\n"
-                   for i in range(1, count))
-    return ("auto w = w0;\nauto scales = scales0;\nauto biases = biases0;\nauto y = y0;\n" + pick
-            + _SOURCE.replace(_N_LINE, _FUSED_N_LINE))
-
-
-@functools.cache
-def _fused_kernel(count: int):
-    inputs = ["x"] + [f"{name}{i}" for i in range(count) for name in ("w", "scales", "biases")] + ["dims"]
-    return mx.fast.cuda_kernel(name=f"mlxspec_qmm_tensor_cores_x{count}", input_names=inputs,
-                               output_names=[f"y{i}" for i in range(count)], header=_HEADER,
-                               source=fused_source(count))
-
-
 def eligible(x_dtype, w: mx.array, scales: mx.array, biases, group_size: int, bits: int, mode: str) -> bool:
     """Layouts the kernel takes: affine 4-bit, group 32/64/128, bf16 or fp16 activations in the
     scales' type, K a multiple of 128."""
@@ -289,42 +263,3 @@ def _launch(rows: int, K: int, N: int, group_size: int, dtype, col_tiles: int,
     launch = {"template": [("InT", dtype), ("MT", col_tiles), ("NT", -(-piece // 8)), ("KW", kw)],
               "grid": (32 * kw * -(-N // (16 * col_tiles)), count, 1), "threadgroup": (32 * kw, 1, 1)}
     return launch, int_array(rows, K, N, group_size, piece)
-
-
-def fused_warps(widths: list[int], k: int, col_tiles: int = 2) -> int | None:
-    """The K split a fused call of matrices WIDTHS (their N) x K uses: each matrix's own
-    (:func:`split_k`), so None where they differ (then they are not fused)."""
-    splits = {split_k(n, k, col_tiles) for n in widths}
-    return splits.pop() if len(splits) == 1 else None
-
-
-def fused_quantized_matmul(x: mx.array, matrices: list[tuple[mx.array, mx.array, mx.array]], *,
-                           group_size: int, col_tiles: int = 2) -> list[mx.array]:
-    """[x @ dequantized(w).T for each (w, scales, biases) of MATRICES] in ONE call, for x of
-    1..MAX_CALL_ROWS rows: sibling layers of one input (q, k and v; gate and up) cost the host
-    one call instead of one each. Every matrix takes x's K, GROUP_SIZE and the same K split
-    (:func:`fused_warps`); each output equals :func:`quantized_matmul`'s for its matrix."""
-    shape = x.shape
-    K = shape[-1]
-    rows = x.size // K
-    if not 1 <= rows <= MAX_CALL_ROWS or not 2 <= len(matrices) <= FUSED_MAX:
-        raise ValueError(f"a fused tensor-core call takes 1..{MAX_CALL_ROWS} rows and 2..{FUSED_MAX} "
-                         f"matrices, got {rows} and {len(matrices)}")
-    widths = tuple(w.shape[0] for w, _, _ in matrices)
-    launch, dims = _fused_launch(rows, K, widths, group_size, x.dtype, col_tiles)
-    return _fused_kernel(len(matrices))(
-        inputs=[x, *(a for m in matrices for a in m), dims], output_shapes=[(*shape[:-1], n) for n in widths],
-        output_dtypes=[x.dtype] * len(widths), **launch)
-
-
-@functools.lru_cache(maxsize=1024)
-def _fused_launch(rows: int, K: int, widths: tuple[int, ...], group_size: int, dtype,
-                  col_tiles: int) -> tuple[dict, mx.array]:
-    """:func:`_launch` of the widest matrix, with grid z the matrix and every matrix's N."""
-    kw = fused_warps(list(widths), K, col_tiles)
-    if kw is None:
-        raise ValueError(f"matrices of {widths} columns split K differently: not one call")
-    launch, _ = _launch(rows, K, max(widths), group_size, dtype, col_tiles, kw)
-    gx, gy, _ = launch["grid"]
-    return ({**launch, "grid": (gx, gy, len(widths))},
-            int_array(rows, K, max(widths), group_size, pieces(rows)[1], *widths))
