@@ -440,6 +440,20 @@ def test_attention_dispatch(monkeypatch):
     assert falls_back(q, k, v, cache, mask="causal")
 
 
+def test_a_forwards_mask_is_viewed_once_for_all_its_layers():
+    """Every layer of a forward gets the same mask array: the kernel's view of it (a broadcast
+    node in the graph, host time on CUDA) is made once, and again only for a new mask or shape."""
+    from mlxspec.kernels.attention_mask import kernel_mask
+
+    mask = mx.array([[True, True, False], [True, True, True]]).reshape(2, 1, 1, 3)
+    view = kernel_mask(mask, (2, 4, 1, 3))
+    assert view.shape == (2, 4, 1, 3) and mx.array_equal(view[:, 3], mask[:, 0]).item()
+    assert kernel_mask(mask, (2, 4, 1, 3)) is view  # the next layer
+    assert kernel_mask(mask, (2, 8, 1, 3)) is not view  # another shape
+    other = mx.array(mask)
+    assert kernel_mask(other, (2, 8, 1, 3)) is not kernel_mask(mask, (2, 8, 1, 3))  # the next forward's
+
+
 def test_attention_chunks_cover_the_keys_once():
     for S in (1, 2, 31, 32, 33, 300, 512, 1000, 2049, 8191, 40000):
         for per_chunk in (1, 8, 24, 96, 264, 1000):

@@ -484,3 +484,40 @@ def test_qwen3_verify_step_matches_with_the_attention_kernel(monkeypatch):
     off = verify_step()
     assert len(calls) == 2
     _close(on, off, 2e-3)
+
+
+def test_a_ragged_batch_verify_gives_each_rows_own_logits_with_the_kernels(monkeypatch):
+    """Rows of different lengths in one verify forward (batch_cache.RaggedCache: the mask array
+    every layer shares, viewed once for all of them; the write positions spread once): each
+    row's logits are those of its own forward alone, with the attention kernel in both."""
+    from mlx_lm.models import qwen3
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxspec.engine.batch_cache import RaggedCache
+
+    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", qwen3.scaled_dot_product_attention)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=512, num_hidden_layers=2, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                           vocab_size=1000, max_position_embeddings=4096, rope_theta=1e6,
+                           tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    _fp32(model)
+    mx.eval(model.parameters())
+    assert attention.install(model) == 1
+    calls = []
+    kernel = attention.attend
+    monkeypatch.setattr(attention, "attend", lambda *a: calls.append(isinstance(a[4], mx.array)) or kernel(*a))
+    prompts = [mx.random.randint(0, 1000, (1, n)) for n in (40, 57, 90)]
+    batch, alone = RaggedCache(model), []
+    for p in prompts:
+        own, row = make_prompt_cache(model), make_prompt_cache(model)
+        model(p, cache=own)
+        model(p, cache=row)
+        batch.join(row)
+        alone.append(own)
+    feed = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    got = batch.forward(mx.array(feed))[0]
+    assert calls == [True, True]  # both layers' masked 4-row attention ran the kernel
+    for i, (own, f) in enumerate(zip(alone, feed)):
+        _close(got[i: i + 1], model(mx.array([f]), cache=own), 2e-3)

@@ -162,3 +162,57 @@ def test_the_planted_bugs_are_caught(plant, monkeypatch):
     with pytest.raises(AssertionError):
         for seed in range(4):
             random_run(seed)
+
+
+
+def _nodes(*arrays: mx.array) -> int:
+    """Operations in the graph of ARRAYS (``mx.export_to_dot``'s operation nodes)."""
+    import io
+    import re
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *arrays)
+    return len(re.findall(r'\[label\s*=\s*"', dot.getvalue()))
+
+
+def test_a_layer_more_costs_its_own_writes_and_reads_only():
+    """On CUDA every node of a forward's graph costs the host time (docs/benchmarks.md): layers
+    that share the rows' offset array (as RaggedCache's do) build the write positions, and
+    their broadcast to the keys' shape, once a forward. Each layer more adds its own 2 writes
+    (keys, values) and 2 reads (up to the extent): 4 nodes. Before: 6 (a broadcast of the
+    positions a write)."""
+    def graph(layers: int) -> int:
+        rows = [[fresh(n) for n in (3, 5, 8)] for _ in range(layers)]
+        caches = [RaggedKVCache.of_rows(r) for r in rows]
+        for c in caches[1:]:
+            c.offset = caches[0].offset
+        mx.eval([(c.keys, c.values, c.offset) for c in caches])
+        new = [(mx.random.normal((3, H, 2, D)), mx.random.normal((3, H, 2, D))) for _ in caches]
+        mx.eval(new)
+        return _nodes(*[a for c, (k, v) in zip(caches, new) for a in c.update_and_fetch(k, v)])
+
+    assert graph(3) - graph(2) == 4
+
+
+def test_joined_layers_share_one_offset_array():
+    """After rows join or leave, every attention layer of the batch holds one offset array, so
+    the first forward after it builds its write positions once, not once a layer (7 nodes a
+    layer of the 8B shape's 36 before, diag-op-census-h200-8b.json)."""
+    from mlx_lm.models import llama
+
+    from mlxspec.engine.batch_cache import RaggedCache
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    cache = RaggedCache(model)
+    for i, n in enumerate((9, 12, 16)):
+        row = [KVCache() for _ in model.layers]
+        model(mx.array([[(3 * t + i) % 50 for t in range(n)]]), cache=row)
+        cache.join(row)
+        if i:
+            assert len({id(c.offset) for c in cache.layers}) == 1, i
+    cache.keep([0, 2])
+    assert len({id(c.offset) for c in cache.layers}) == 1
+    assert cache.layers[0].ends == [9, 16]

@@ -97,6 +97,7 @@ class RaggedCache:
         new = [RaggedKVCache.of_rows([c]) if isinstance(c, KVCache) else _arrays_row(c) for c in row_cache]
         for layer, row in zip(self.layers, new, strict=True):
             layer.extend(row)
+        self._share_offset()
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ROWS (indices, in their new order); the rest leave. One row left gets its
@@ -111,6 +112,17 @@ class RaggedCache:
             layer.filter(index)
         if len(rows) == 1:
             self.layers = [c.extract(0) if isinstance(c, RaggedKVCache) else c for c in self.layers]
+        else:
+            self._share_offset()
+
+    def _share_offset(self) -> None:
+        """One offset array for every attention layer (they hold the same rows at the same ends),
+        as a rollback leaves them: the next forward builds its write positions once, not once a
+        layer (ragged_kv._positions)."""
+        kv = [c for c in self.layers if isinstance(c, RaggedKVCache)]
+        for c in kv[1:]:
+            assert c.ends == kv[0].ends, (c.ends, kv[0].ends)
+            c.offset = kv[0].offset
 
     def forward(self, inputs: mx.array, hidden: bool = False,
                 capture: LayerCapture | None = None) -> tuple[mx.array, mx.array | None, mx.array | None]:

@@ -112,8 +112,8 @@ class RaggedKVCache:
             self.keys[..., e: e + N, :] = keys
             self.values[..., e: e + N, :] = values
         else:
-            self.keys = mx.put_along_axis(self.keys, at, keys, axis=2)
-            self.values = mx.put_along_axis(self.values, at, values, axis=2)
+            self.keys = mx.put_along_axis(self.keys, _spread(at, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, _spread(at, values.shape), values, axis=2)
         self.ends = [e + N for e in self.ends]
         self.offset = after
         return self.keys[..., :extent, :], self.values[..., :extent, :]
@@ -165,7 +165,8 @@ class RaggedKVCache:
 
 # The last write's positions: every layer of a model holds the same rows at the same ends and,
 # once a step has rolled them back together, the same offset array, so the first layer builds
-# them and the others reuse them (a forward's graph then has 2 small ops for this, not 2 a layer).
+# them and the others reuse them (a forward's graph then has a few small ops for this, not a few
+# a layer). RaggedCache keeps one offset array for all its layers (batch_cache.py).
 _last: tuple = (None, 0, False, None, None)
 
 
@@ -178,6 +179,22 @@ def _positions(offset: mx.array, n: int, uniform: bool) -> tuple[mx.array | None
     at = None if uniform else (offset[:, None] + mx.arange(n)[None])[:, None, :, None]
     _last = (offset, n, uniform, at, offset + n)
     return at, _last[4]
+
+
+# ``put_along_axis`` broadcasts its indices to the update's shape, a node a call: the positions
+# spread to each (B, H, N, D) once, for every layer's keys and values.
+_spread_last: tuple = (None, {})
+
+
+def _spread(at: mx.array, shape: tuple) -> mx.array:
+    """AT (B, 1, N, 1) broadcast to SHAPE (B, H, N, D), made once per positions and shape."""
+    global _spread_last
+    if _spread_last[0] is not at:
+        _spread_last = (at, {})
+    made = _spread_last[1]
+    if shape not in made:
+        made[shape] = mx.broadcast_to(at, shape)
+    return made[shape]
 
 
 def _rounded(n: int) -> int:

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as _base
 
 from ..compat import rebind
+from .attention_mask import DTYPES, kernel_mask, mask_kind
 from .switch import active, compact
 
 # mlx-lm's function, kept before anything rebinds the name: the fallback, and what install()
@@ -43,7 +44,6 @@ _mlx_lm_sdpa = _base.scaled_dot_product_attention
 MIN_ROWS = 2  # one row (decoding) keeps MLX's kernel, which has no per-shape cost
 MAX_ROWS = 16
 HEAD_DIMS = (64, 128, 256)
-DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 WARPS = 4  # warps per pass-1 block
 QUERIES_PER_WARP = 8  # query vectors per warp (registers: 8 x D/32 accumulators a lane)
@@ -378,25 +378,6 @@ def _scalar(value: float) -> mx.array:
     return arr
 
 
-def _broadcastable(shape: tuple, target: tuple) -> bool:
-    return len(shape) <= len(target) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
-
-
-def mask_kind(mask, target: tuple) -> str | None:
-    """The kernel's name for a mask mlx-lm may pass (None, "causal", a bool or additive array
-    broadcastable to ``target`` = (B, Hq, L, S)); None for anything else."""
-    if mask is None:
-        return "none"
-    if isinstance(mask, str):
-        return "causal" if mask == "causal" else None
-    if not isinstance(mask, mx.array) or not _broadcastable(mask.shape, target):
-        return None
-    if mask.dtype == mx.bool_:
-        return "bool"
-    return "add" if mask.dtype in DTYPES else None
-
-
 def chunks(S: int, blocks_per_chunk: int) -> int:
     """Key chunks for pass 1: enough blocks to fill the GPU, at least a tile of keys each, none
     empty. The kernel recomputes the chunk length from this count (ceil(S / n) in whole
@@ -422,8 +403,8 @@ def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.arra
     partial, template, blocks, grid_yz, rows, combine = _plan(qs, k.shape[1], q.dtype, mask if not array_mask
                                                               else None, mask.dtype if array_mask else None)
     inputs = [q, k, v, _scalar(float(scale))]
-    if array_mask:  # a stride-0 view over the broadcast axes: the kernel reads it through its strides
-        inputs.append(mx.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (*qs[:3], S)))
+    if array_mask:
+        inputs.append(kernel_mask(mask, (*qs[:3], S)))
     n = chunks(S, blocks)
     parts = partial(inputs=inputs, template=template, grid=(32 * WARPS * n, *grid_yz), threadgroup=(32 * WARPS, 1, 1),
                     output_shapes=[(rows, n, qs[3]), (rows, n), (rows, n)], output_dtypes=[mx.float32] * 3)
