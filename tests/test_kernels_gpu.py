@@ -453,9 +453,10 @@ def test_verify_attention_costs_the_same_at_every_key_length():
            _attn_reference(q, k, v, D**-0.5, "causal"), 1e-2)
 
 
-def test_qwen3_verify_step_matches_with_the_attention_kernel(monkeypatch):
+def _qwen3_with_the_attention_kernel(monkeypatch):
+    """A 2-layer fp32 Qwen3 (head_dim 128) whose module calls the attention dispatcher (put back
+    after the test)."""
     from mlx_lm.models import qwen3
-    from mlx_lm.models.cache import make_prompt_cache
 
     monkeypatch.setattr(qwen3, "scaled_dot_product_attention", qwen3.scaled_dot_product_attention)
     args = qwen3.ModelArgs(model_type="qwen3", hidden_size=512, num_hidden_layers=2, intermediate_size=1024,
@@ -467,6 +468,13 @@ def test_qwen3_verify_step_matches_with_the_attention_kernel(monkeypatch):
     _fp32(model)
     mx.eval(model.parameters())
     assert attention.install(model) == 1
+    return model
+
+
+def test_qwen3_verify_step_matches_with_the_attention_kernel(monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _qwen3_with_the_attention_kernel(monkeypatch)
     calls = []
     kernel = attention.attend
     monkeypatch.setattr(attention, "attend", lambda *a: calls.append(a[0].shape) or kernel(*a))
@@ -490,21 +498,11 @@ def test_a_ragged_batch_verify_gives_each_rows_own_logits_with_the_kernels(monke
     """Rows of different lengths in one verify forward (batch_cache.RaggedCache: the mask array
     every layer shares, viewed once for all of them; the write positions spread once): each
     row's logits are those of its own forward alone, with the attention kernel in both."""
-    from mlx_lm.models import qwen3
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxspec.engine.batch_cache import RaggedCache
 
-    monkeypatch.setattr(qwen3, "scaled_dot_product_attention", qwen3.scaled_dot_product_attention)
-    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=512, num_hidden_layers=2, intermediate_size=1024,
-                           num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
-                           vocab_size=1000, max_position_embeddings=4096, rope_theta=1e6,
-                           tie_word_embeddings=False)
-    mx.random.seed(0)
-    model = qwen3.Model(args)
-    _fp32(model)
-    mx.eval(model.parameters())
-    assert attention.install(model) == 1
+    model = _qwen3_with_the_attention_kernel(monkeypatch)
     calls = []
     kernel = attention.attend
     monkeypatch.setattr(attention, "attend", lambda *a: calls.append(isinstance(a[4], mx.array)) or kernel(*a))
