@@ -166,8 +166,9 @@ class RaggedKVCache:
 # The last write's positions: every layer of a model holds the same rows at the same ends and,
 # once a step has rolled them back together, the same offset array, so the first layer builds
 # them and the others reuse them (a forward's graph then has a few small ops for this, not a few
-# a layer). RaggedCache keeps one offset array for all its layers (batch_cache.py).
-_last: tuple = (None, 0, False, None, None)
+# a layer). RaggedCache keeps one offset array for all its layers (batch_cache.py). With them,
+# their broadcasts to the keys' and values' shapes (``_spread``), made as the layers ask.
+_last: tuple = (None, 0, False, None, None, {})
 
 
 def _positions(offset: mx.array, n: int, uniform: bool) -> tuple[mx.array | None, mx.array]:
@@ -177,21 +178,15 @@ def _positions(offset: mx.array, n: int, uniform: bool) -> tuple[mx.array | None
     if _last[0] is offset and _last[1] == n and _last[2] == uniform:
         return _last[3], _last[4]
     at = None if uniform else (offset[:, None] + mx.arange(n)[None])[:, None, :, None]
-    _last = (offset, n, uniform, at, offset + n)
+    _last = (offset, n, uniform, at, offset + n, {})
     return at, _last[4]
 
 
-# ``put_along_axis`` broadcasts its indices to the update's shape, a node a call: the positions
-# spread to each (B, H, N, D) once, for every layer's keys and values.
-_spread_last: tuple = (None, {})
-
-
 def _spread(at: mx.array, shape: tuple) -> mx.array:
-    """AT (B, 1, N, 1) broadcast to SHAPE (B, H, N, D), made once per positions and shape."""
-    global _spread_last
-    if _spread_last[0] is not at:
-        _spread_last = (at, {})
-    made = _spread_last[1]
+    """AT (B, 1, N, 1), the last positions :func:`_positions` gave, broadcast to SHAPE (B, H, N,
+    D): ``put_along_axis`` would broadcast its indices itself, a node a call; made once per
+    positions and shape, for every layer's keys and values."""
+    made = _last[5] if _last[3] is at else {}
     if shape not in made:
         made[shape] = mx.broadcast_to(at, shape)
     return made[shape]

@@ -8,7 +8,7 @@ import mlx.core as mx
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)  # queries, keys, values and additive masks
 
 
-def broadcastable(shape: tuple, target: tuple) -> bool:
+def _broadcastable(shape: tuple, target: tuple) -> bool:
     return len(shape) <= len(target) and all(
         s in (1, t) for s, t in zip(reversed(shape), reversed(target)))
 
@@ -20,7 +20,7 @@ def mask_kind(mask, target: tuple) -> str | None:
         return "none"
     if isinstance(mask, str):
         return "causal" if mask == "causal" else None
-    if not isinstance(mask, mx.array) or not broadcastable(mask.shape, target):
+    if not isinstance(mask, mx.array) or not _broadcastable(mask.shape, target):
         return None
     if mask.dtype == mx.bool_:
         return "bool"
