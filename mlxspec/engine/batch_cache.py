@@ -24,9 +24,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from ..models.gdn_tape import tape_layers
-from ..models.layer_capture import LayerCapture
+from ..models.layer_capture import LayerCapture, capturing
 from ..models.trunk import split_trunk
 from .cache import Snapshot, cache_leaves, snapshot_caches
+from .compiled_forward import CompiledForward, eligible
 from .ragged_kv import RaggedKVCache
 
 
@@ -60,8 +61,14 @@ class RaggedCache:
     """Per layer a ``RaggedKVCache`` or a batched ``ArraysCache``; rows join (their own
     prefilled caches), leave, and roll back by their own amounts."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compiled: bool = False):
         self.model = model
+        # COMPILED: attention-only rows' logits from one compiled graph a shape
+        # (compiled_forward.py). Off by default: on an H200 it cut the host's build of a 4-row
+        # step from 5.2 to 2.1 ms, but the step then waited on the device and the batch's tok/s
+        # did not move (docs/benchmarks.md); a fresh CUDA machine also compiles its fused kernels
+        # once (about a minute). None: mlx-lm's forward, built op by op.
+        self.compiled = CompiledForward.of(model) if compiled else None
         self.layers: list | None = None
         self._gdn = None  # the taped GatedDeltaNet layers, in the order of the recurrent caches
         self._recurrent: list[ArraysCache] = []
@@ -143,6 +150,8 @@ class RaggedCache:
                     self._trunk = split_trunk(self.model)
                 h = self._trunk.body(inputs, cache=self.layers)
                 logits = self._trunk.head(h)
+            elif self.compiled is not None and eligible(self.layers, inputs) and not capturing(self.model):
+                logits = self.compiled(inputs, self.layers)
             else:
                 logits = self.model(inputs, cache=self.layers)
         finally:

@@ -118,6 +118,18 @@ class RaggedKVCache:
         self.offset = after
         return self.keys[..., :extent, :], self.values[..., :extent, :]
 
+    def reserve(self, width: int) -> None:
+        """Room for WIDTH more positions after the longest row (keys already held)."""
+        self._reserve(max(self.ends) + width, self.keys, self.values)
+
+    def advance(self, keys: mx.array, values: mx.array, width: int, offset: mx.array) -> None:
+        """Take KEYS/VALUES (B, H, capacity, D) that a compiled forward wrote WIDTH positions
+        into at each row's end (``compiled_forward.StaticKV``); OFFSET: the ends after it."""
+        assert keys.shape == self.keys.shape, (keys.shape, self.keys.shape)
+        self.keys, self.values = keys, values
+        self.ends = [e + width for e in self.ends]
+        self.offset = offset
+
     def _reserve(self, extent: int, keys: mx.array, values: mx.array) -> None:
         if self.keys is not None and extent <= self.keys.shape[2]:
             return

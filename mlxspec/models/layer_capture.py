@@ -60,6 +60,12 @@ def layer_count(model: nn.Module) -> int:
     return _layers(model)[1]
 
 
+def capturing(model: nn.Module) -> bool:
+    """Whether some capture is attached to a decoder layer of MODEL (its next forward keeps
+    their outputs: a forward traced for a compiled graph must not hand them its placeholders)."""
+    return any(getattr(layer, "_capture_sink", None) is not None for layer in getattr(model, "layers", ()) or ())
+
+
 class _Sink:
     """A layer's captured outputs; not a list, so MLX does not take it for a parameter tree."""
 

@@ -1,0 +1,143 @@
+"""A batch's forward over ragged KV caches as one compiled graph (``mx.compile``), built once a
+shape and replayed.
+
+Why: on MLX's CUDA backend a 4-row verify of the 8B shape is bound by the host, not the
+device. Its graph has about 1,100 operations; building them in Python cost 5.9 ms and launching
+them 5.4 ms a forward, while the device finished 3.6 ms after the launch returned
+(docs/benchmarks.md, "Where a 4-row step's time goes"). A compiled graph is traced once and
+then replayed from C++, and its chains of elementwise operations become one kernel each.
+
+Measured (H200, 4 rows of the 8B shape): the host's build of a step fell from 5.2 to 2.1 ms and
+the step became bound by the device (a sleep on the host of up to 4 ms no longer lengthened
+it), but the batch's tok/s did not move (paired ratio 0.996). So ``RaggedCache`` leaves it off
+by default: it is the host half of a faster step, whose other half is a device that runs fewer
+kernels a forward. In bf16 on CUDA its logits are not bit for bit the op-by-op forward's (the
+attention kernel splits the whole buffer's keys into other chunks); in fp32 on the CPU they are.
+
+A compiled graph must not change with the rows' lengths, so inside it each layer's cache is a
+:class:`StaticKV`: every row writes its W new keys and values at its own end by scatter (its
+positions from the offsets array, not from host ints) and attends over the whole capacity of the
+layer's buffer (a multiple of ``ragged_kv.STEP``) through a mask that hides what lies past the
+row's end. The shapes that key a graph are the rows, the width and the capacity; the graphs kept
+are bounded (:data:`KEPT`): dropping one frees its trace.
+
+Terms: ``offset`` (B,) int32, row b's tokens before this forward (``RaggedKVCache.offset``);
+``capacity`` C, positions in each layer's buffer; ``W`` tokens a row in this forward.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import OrderedDict
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .ragged_kv import RaggedKVCache
+
+KEPT = 24  # compiled graphs kept (rows x width x capacity); the least recently used goes first
+
+
+class StaticKV:
+    """One attention layer's cache inside the compiled graph: keys and values (B, H, C, D),
+    written at AT, read whole; what mlx-lm's attention calls on a cache."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, at: mx.array):
+        self.keys, self.values, self.offset, self.at = keys, values, offset, at
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
+                  **_) -> mx.array:
+        """Query i of row b sees keys [0, offset[b] + i]: bool (B, 1, N, C)."""
+        keys = mx.arange(self.keys.shape[2])[None, None, None, :]
+        last = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
+        mask = keys <= last
+        if window_size is not None:
+            mask = mask & (keys > last - window_size)
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write KEYS/VALUES (B, H, W, D) at each row's end; every position of every row back."""
+        self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(self.at, keys.shape), keys, axis=2)
+        self.values = mx.put_along_axis(self.values, mx.broadcast_to(self.at, values.shape), values, axis=2)
+        return self.keys, self.values
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset
+
+
+def eligible(layers: list | None, inputs: mx.array) -> bool:
+    """Whether a compiled graph can run this forward: every layer a ragged KV cache holding
+    keys, of one capacity and one offset array (a batch of two or more attention-only rows)."""
+    if not layers or not all(type(c) is RaggedKVCache and c.keys is not None for c in layers):
+        return False
+    first = layers[0]
+    return inputs.ndim == 2 and inputs.shape[0] == len(first.ends) and all(c.offset is first.offset for c in layers)
+
+
+_SHARED: dict[int, CompiledForward] = {}  # id(model): its graphs, for every batch over it
+
+
+class CompiledForward:
+    """MODEL's forward over a batch's ragged caches, compiled once for each (rows, width,
+    capacity, input dtype) and kept for the last :data:`KEPT` of them."""
+
+    def __init__(self, model: nn.Module, kept: int = KEPT):
+        self.model = model
+        self.kept = kept
+        self._graphs: OrderedDict[tuple, object] = OrderedDict()
+        self.traced = 0  # graphs compiled (each costs a trace of the model in Python)
+        self.trace_s = 0.0  # host seconds the calls that traced took
+
+    @classmethod
+    def of(cls, model: nn.Module) -> CompiledForward:
+        """MODEL's one instance: batches come and go (a bench's repetitions, a server's idle
+        spells), its graphs stay; dropped with the model."""
+        shared = _SHARED.get(id(model))
+        if shared is None or shared.model is not model:
+            shared = _SHARED[id(model)] = cls(model)
+            weakref.finalize(model, _SHARED.pop, id(model), None)
+        return shared
+
+    def __call__(self, inputs: mx.array, layers: list[RaggedKVCache]) -> mx.array:
+        """Logits (B, W, V) of INPUTS (B, W) over LAYERS, whose ends each advance by W (as
+        ``RaggedKVCache.update_and_fetch`` leaves them)."""
+        B, W = inputs.shape
+        for c in layers:
+            c.reserve(W)
+        offset = layers[0].offset
+        capacity = layers[0].keys.shape[2]
+        assert all(c.keys.shape[2] == capacity for c in layers), [c.keys.shape for c in layers]
+        traced, t0 = self.traced, time.perf_counter()
+        graph = self._graph((B, W, capacity, inputs.dtype))
+        logits, keys, values = graph(inputs, offset, [c.keys for c in layers], [c.values for c in layers])
+        if self.traced > traced:
+            self.trace_s += time.perf_counter() - t0
+        after = offset + W
+        for c, k, v in zip(layers, keys, values, strict=True):
+            c.advance(k, v, W, after)
+        return logits
+
+    def _graph(self, key: tuple):
+        graph = self._graphs.pop(key, None)
+        if graph is None:
+            graph = mx.compile(self._forward)
+            self.traced += 1
+            while len(self._graphs) >= self.kept:
+                self._graphs.popitem(last=False)
+        self._graphs[key] = graph
+        return graph
+
+    def _forward(self, inputs: mx.array, offset: mx.array, keys: list[mx.array],
+                 values: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+        W = inputs.shape[1]
+        at = (offset[:, None] + mx.arange(W)[None])[:, None, :, None]  # (B, 1, W, 1)
+        layers = [StaticKV(k, v, offset, at) for k, v in zip(keys, values, strict=True)]
+        logits = self.model(inputs, cache=layers)
+        return logits, [c.keys for c in layers], [c.values for c in layers]
+
+
+def traces() -> tuple[int, float]:
+    """(graphs traced, host seconds the tracing calls took) over every model's instance."""
+    return sum(c.traced for c in _SHARED.values()), sum(c.trace_s for c in _SHARED.values())

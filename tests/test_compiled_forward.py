@@ -1,0 +1,117 @@
+"""A batch's forward replayed from one compiled graph a shape (engine/compiled_forward.py) gives
+the logits of the same forward built op by op, bit for bit in fp32 on the CPU: through random
+runs of joins, leaves, widths 1..5, rollbacks by each row's own amount and caches crossing their
+256-position steps. Graphs are reused per shape and bounded; a forward whose layer outputs a
+capture keeps is never traced (the capture would keep placeholders)."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from mlxspec.engine import compiled_forward
+from mlxspec.engine.batch_cache import RaggedCache
+from mlxspec.models.layer_capture import LayerCapture
+
+VOCAB = 50
+
+
+@pytest.fixture(scope="module")
+def model():
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)
+    mx.random.seed(0)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def _row(model, n: int, seed: int) -> list[KVCache]:
+    row = [KVCache() for _ in model.layers]
+    model(mx.array([[(3 * t + seed) % VOCAB for t in range(n)]]), cache=row)
+    return row
+
+
+def _run(model, seed: int, steps: int = 30) -> tuple[RaggedCache, int]:
+    """A random run over a compiled and an op-by-op batch side by side: (the compiled batch,
+    forwards compared); asserts each forward's logits and the rows' ends equal."""
+    rng = random.Random(seed)
+    both = [RaggedCache(model, compiled=True), RaggedCache(model, compiled=False)]
+    compared = 0
+    for step in range(steps):
+        rows = both[0].rows
+        if rows < 2 or (rows < 4 and rng.random() < 0.15):  # a row joins (prefilled alone)
+            n = rng.randrange(200, 270)  # the capacity steps at 256
+            for cache in both:
+                cache.join(_row(model, n, step))
+            continue
+        if rng.random() < 0.1:  # a row leaves
+            keep = sorted(rng.sample(range(rows), rows - 1))
+            for cache in both:
+                cache.keep(keep)
+            continue
+        width = rng.randint(1, 5)
+        x = mx.array([[rng.randrange(VOCAB) for _ in range(width)] for _ in range(rows)])
+        a, b = (cache.forward(x)[0] for cache in both)
+        assert mx.array_equal(a, b).item(), (seed, step, mx.abs(a - b).max().item())
+        compared += 1
+        junk = [rng.randint(0, width) for _ in range(rows)]
+        for cache in both:
+            cache.rollback(junk)
+        assert both[0].layers[0].ends == both[1].layers[0].ends
+    return both[0], compared
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_logits_equal_op_by_op_through_a_random_run(model, seed):
+    cache, compared = _run(model, seed)
+    assert compared >= 10 and cache.compiled.traced >= 1  # the compiled path ran
+
+
+def test_a_planted_mask_that_ignores_the_rows_ends_is_caught(model, monkeypatch):
+    """Each row sees every position of the buffer (past its end: junk and other rows' room)."""
+    monkeypatch.setattr(compiled_forward, "_SHARED", {})  # graphs traced with the plant
+    monkeypatch.setattr(compiled_forward.StaticKV, "make_mask",
+                        lambda self, N, **_: mx.ones((1, 1, N, self.keys.shape[2]), mx.bool_))
+    with pytest.raises(AssertionError):
+        _run(model, 0)
+
+
+def test_graphs_are_kept_per_shape_and_bounded(model):
+    cache = RaggedCache(model, compiled=True)
+    cache.compiled = compiled_forward.CompiledForward(model, kept=2)  # none traced yet
+    for n in (20, 30):
+        cache.join(_row(model, n, n))
+    for width in (2, 2, 3, 2, 3, 4, 2):
+        cache.forward(mx.ones((2, width), mx.int32))
+        cache.rollback([width, width])
+    # 2, 3 traced; 2 and 3 replayed; 4 traced and 2 dropped (the least recently used); 2 traced again
+    assert cache.compiled.traced == 4
+
+
+def test_batches_over_one_model_share_its_graphs(model):
+    """A batch that ends and the next one over the same model (a bench's repetitions, a
+    server's idle spells) trace a shape once."""
+    traced = []
+    for _ in range(2):
+        cache = RaggedCache(model, compiled=True)
+        for n in (20, 30):
+            cache.join(_row(model, n, n))
+        cache.forward(mx.ones((2, 3), mx.int32))
+        traced.append(cache.compiled.traced)
+    assert cache.compiled is compiled_forward.CompiledForward.of(model) and traced[1] == traced[0]
+
+
+def test_a_forward_with_a_capture_attached_is_not_traced(model):
+    cache = RaggedCache(model, compiled=True)
+    cache.compiled = compiled_forward.CompiledForward(model)
+    for n in (20, 30):
+        cache.join(_row(model, n, n))
+    capture = LayerCapture(model, (1,))  # attached as it is made, as a joining DFlash row's
+    cache.forward(mx.ones((2, 3), mx.int32))
+    assert cache.compiled.traced == 0
+    got = capture.take(batched=True)
+    assert got.shape == (2, 3, 32)
+    mx.eval(got)  # real outputs, not a trace's placeholders
