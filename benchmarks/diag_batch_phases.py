@@ -9,10 +9,11 @@ holds a forward's build, "leave" a row's prefix-cache store and the batch's filt
 
     python benchmarks/diag_batch_phases.py [--shape qwen3-8b] [--workload echo] [--rows 4]
         [--reps 3] [--max-tokens 128] [--json OUT] [--profile N] [--pipeline on|off|both]
-        [--no-drafter]
+        [--no-drafter] [--compiled on|off|both]
 
 --pipeline both: the repetitions alternate the pipelined steps (engine/batch_pipeline.py) on and
-off, in one process (ABAB), and each cell says which it ran.
+off, in one process (ABAB), and each cell says which it ran. --compiled both: the same for the
+batch's forwards replayed from compiled graphs (engine/compiled_forward.py) or built op by op.
 
 --profile N: the last repetition also runs under cProfile, and its N costliest functions (own
 time) are printed: where the host's milliseconds go, waiting for the device included (the
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlxspec.bench.real_concurrency import BATCHED, BATCHED_PLAIN, ConcurrencyBench
-from mlxspec.engine import batch, batch_ahead, batch_cache, batch_pipeline
+from mlxspec.engine import batch, batch_ahead, batch_cache, batch_pipeline, compiled_forward
 
 # phase -> (owner, attribute): each is wrapped with a timer for the run
 PHASES = {
@@ -96,15 +97,18 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--pipeline", choices=("on", "off", "both"), default="on")
     ap.add_argument("--no-drafter", action="store_true", help="every row decodes plainly")
+    ap.add_argument("--compiled", choices=("on", "off", "both"), default="off")
     args = ap.parse_args()
     real_init = batch.BatchedDecoder.__init__
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
                              workloads=[args.workload], requests=args.rows, stock=False)
     out = {"shape": args.shape, "workload": args.workload, "rows": args.rows, "reps": []}
-    modes = {"on": [True], "off": [False], "both": [True, False]}[args.pipeline]
+    ways = {"on": [True], "off": [False], "both": [True, False]}
+    modes = [(p, c) for p in ways[args.pipeline] for c in ways[args.compiled]]
     for rep in range(len(modes) * (args.reps + 1)):  # the first of each mode warms up
-        pipelined = modes[rep % len(modes)]
-        batch.BatchedDecoder.__init__ = lambda self, *a, _p=pipelined, **k: real_init(self, *a, **k, pipeline=_p)
+        pipelined, compiled = modes[rep % len(modes)]
+        batch.BatchedDecoder.__init__ = lambda self, *a, _p=pipelined, _c=compiled, **k: real_init(
+            self, *a, **k, pipeline=_p, compiled=_c)
         spent, calls = defaultdict(float), defaultdict(int)
         saved = {name: getattr(owner, attr) for name, (owner, attr) in PHASES.items()}
         for name, (owner, attr) in PHASES.items():
@@ -127,10 +131,12 @@ def main() -> None:
             batch.BatchedDecoder.__init__ = real_init
         steps = max(calls["step"], 1)
         names = [*PHASES, "launch (async_eval)"]
-        cell = {"pipeline": pipelined, "wall_s": round(wall, 3), "steps": calls["step"],
+        cell = {"pipeline": pipelined, "compiled": compiled, "wall_s": round(wall, 3), "steps": calls["step"],
                 "tokens": sum(len(t) for t in run.tokens),
                 "ms_per_step": {n: round(spent[n] / steps * 1e3, 3) for n in names},
-                "calls": {n: calls[n] for n in names}, "stats": run.stats}
+                "calls": {n: calls[n] for n in names}, "stats": run.stats,
+                "graphs_traced_so_far": compiled_forward.traces()[0],
+                "trace_s_so_far": round(compiled_forward.traces()[1], 3)}
         if rep >= len(modes):
             out["reps"].append(cell)
         print(json.dumps(cell), flush=True)

@@ -7,7 +7,10 @@ starts of consecutive steps while all N rows decode; sleeps in turn (0, 3, ... m
 after a warm-up round.
 
     python3 benchmarks/diag_host_bound.py [--shape qwen3-8b] [--workload echo] [--rows 4]
-        [--sleeps 0,3,6,9,12] [--reps 2] [--prompt-tokens 512] [--json OUT]
+        [--sleeps 0,3,6,9,12] [--reps 2] [--prompt-tokens 512] [--compiled on|off] [--json OUT]
+
+--compiled on: the batch's forwards replayed from compiled graphs (engine/compiled_forward.py),
+not built op by op (the engine's default).
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ def main() -> None:
     ap.add_argument("--sleeps", default="0,3,6,9,12")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--compiled", choices=("on", "off"), default="off")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    real_init = batch.BatchedDecoder.__init__
+    batch.BatchedDecoder.__init__ = lambda self, *a, **k: real_init(self, *a, **k, compiled=args.compiled == "on")
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=128,
                              workloads=[args.workload], requests=args.rows, stock=False)
     sleeps = [float(s) for s in args.sleeps.split(",")]
-    out = {"shape": args.shape, "workload": args.workload, "rows": args.rows, "cells": []}
+    out = {"shape": args.shape, "workload": args.workload, "rows": args.rows, "compiled": args.compiled, "cells": []}
     for rep in range(args.reps + 1):  # the first round warms up
         for d in sleeps:
             full, stats = periods(bench, args.workload, args.rows, d)
