@@ -64,7 +64,7 @@ def _run(model, seed: int, steps: int = 30) -> tuple[RaggedCache, int]:
     return both[0], compared
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))  # the file: 22 s with MLX's CPU JIT cache cold, 4 s warm
 def test_compiled_logits_equal_op_by_op_through_a_random_run(model, seed):
     cache, compared = _run(model, seed)
     assert compared >= 10 and cache.compiled.traced >= 1  # the compiled path ran
@@ -72,7 +72,7 @@ def test_compiled_logits_equal_op_by_op_through_a_random_run(model, seed):
 
 def test_a_planted_mask_that_ignores_the_rows_ends_is_caught(model, monkeypatch):
     """Each row sees every position of the buffer (past its end: junk and other rows' room)."""
-    monkeypatch.setattr(compiled_forward, "_SHARED", {})  # graphs traced with the plant
+    monkeypatch.delattr(model, "_mlxspec_compiled_forward", raising=False)  # graphs traced with the plant
     monkeypatch.setattr(compiled_forward.StaticKV, "make_mask",
                         lambda self, N, **_: mx.ones((1, 1, N, self.keys.shape[2]), mx.bool_))
     with pytest.raises(AssertionError):
@@ -102,6 +102,19 @@ def test_batches_over_one_model_share_its_graphs(model):
         cache.forward(mx.ones((2, 3), mx.int32))
         traced.append(cache.compiled.traced)
     assert cache.compiled is compiled_forward.CompiledForward.of(model) and traced[1] == traced[0]
+
+
+def test_the_graphs_go_with_their_model():
+    import gc
+    import weakref
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                           num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=VOCAB)
+    m = llama.Model(args)
+    graphs = weakref.ref(compiled_forward.CompiledForward.of(m))
+    del m
+    gc.collect()
+    assert graphs() is None
 
 
 def test_a_forward_with_a_capture_attached_is_not_traced(model):

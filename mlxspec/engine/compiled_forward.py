@@ -76,7 +76,7 @@ def eligible(layers: list | None, inputs: mx.array) -> bool:
     return inputs.ndim == 2 and inputs.shape[0] == len(first.ends) and all(c.offset is first.offset for c in layers)
 
 
-_SHARED: dict[int, CompiledForward] = {}  # id(model): its graphs, for every batch over it
+_MADE: weakref.WeakSet = weakref.WeakSet()  # every instance alive, for :func:`traces`
 
 
 class CompiledForward:
@@ -90,14 +90,17 @@ class CompiledForward:
         self.traced = 0  # graphs compiled (each costs a trace of the model in Python)
         self.trace_s = 0.0  # host seconds the calls that traced took
 
+        _MADE.add(self)
+
     @classmethod
     def of(cls, model: nn.Module) -> CompiledForward:
         """MODEL's one instance: batches come and go (a bench's repetitions, a server's idle
-        spells), its graphs stay; dropped with the model."""
-        shared = _SHARED.get(id(model))
-        if shared is None or shared.model is not model:
-            shared = _SHARED[id(model)] = cls(model)
-            weakref.finalize(model, _SHARED.pop, id(model), None)
+        spells), its graphs stay. The model holds it (not a parameter: MLX keeps plain objects
+        as attributes), so both go together."""
+        shared = getattr(model, "_mlxspec_compiled_forward", None)
+        if shared is None:
+            shared = cls(model)
+            setattr(model, "_mlxspec_compiled_forward", shared)
         return shared
 
     def __call__(self, inputs: mx.array, layers: list[RaggedKVCache]) -> mx.array:
@@ -140,4 +143,5 @@ class CompiledForward:
 
 def traces() -> tuple[int, float]:
     """(graphs traced, host seconds the tracing calls took) over every model's instance."""
-    return sum(c.traced for c in _SHARED.values()), sum(c.trace_s for c in _SHARED.values())
+    made = list(_MADE)
+    return sum(c.traced for c in made), sum(c.trace_s for c in made)
