@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.diag_batch_forward import ragged
+from benchmarks.diag_ragged_nodes import ab_summary, timed_forward
 from mlxspec.bench.synthetic import random_model, vocab_size
 from mlxspec.engine.batch_step import greedy_tokens
 from mlxspec.engine.compiled_forward import CompiledForward
@@ -60,28 +59,15 @@ def main() -> None:
             cache.compiled = way
             x = inputs(r)
             mx.eval(x)
-            t0 = time.perf_counter()
-            out = greedy_tokens(cache.forward(x)[0])
-            t1 = time.perf_counter()
-            mx.async_eval(out)
-            t2 = time.perf_counter()
-            out.tolist()
-            t3 = time.perf_counter()
+            took = timed_forward(cache, x)
             cache.rollback([W - 1 - (i + r) % W for i in range(B)])  # keep 1..W tokens a row
             mx.eval([c.state for c in cache.layers])
             if r:
-                times[name].append((t1 - t0, t2 - t1, t3 - t0))
+                times[name].append(took)
     cache.compiled = compiled
     out = {"shape": args.shape, "rows": B, "width": W, "reps": args.reps, "logits_max_abs_diff": diff,
            "greedy_tokens_equal": tokens_equal, "graphs_traced": compiled.traced,
-           "ends_after": cache.layers[0].ends}
-    for name, rows in times.items():
-        out[name] = {k: round(statistics.median(v[i] for v in rows) * 1e3, 2)
-                     for i, k in enumerate(("build_ms", "launch_ms", "forward_ms"))}
-    ratios = sorted(a[2] / b[2] for a, b in zip(times["compiled"], times["op_by_op"]))
-    q = statistics.quantiles(ratios, n=4)
-    out["forward_ratio"] = {"median": round(statistics.median(ratios), 3), "iqr": [round(q[0], 3), round(q[2], 3)],
-                            "pairs": [round(x, 3) for x in ratios]}
+           "ends_after": cache.layers[0].ends, **ab_summary(times, "compiled", "op_by_op")}
     print(json.dumps(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

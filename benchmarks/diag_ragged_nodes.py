@@ -33,6 +33,29 @@ APART = (lambda at, shape: at,
          lambda mask, shape: mx.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), shape))
 
 
+def timed_forward(cache, x: mx.array) -> tuple[float, float, float]:
+    """CACHE's forward on X to greedy tokens: (build, launch, build to tokens read), seconds."""
+    t0 = time.perf_counter()
+    out = greedy_tokens(cache.forward(x)[0])
+    t1 = time.perf_counter()
+    mx.async_eval(out)
+    t2 = time.perf_counter()
+    out.tolist()
+    return t1 - t0, t2 - t1, time.perf_counter() - t0
+
+
+def ab_summary(times: dict[str, list[tuple[float, float, float]]], a: str, b: str) -> dict:
+    """Medians (ms) of each way's build, launch and forward, and the per-pair ratio A / B of the
+    forward: median, IQR and every pair."""
+    out = {name: {k: round(statistics.median(v[i] for v in rows) * 1e3, 2)
+                  for i, k in enumerate(("build_ms", "launch_ms", "forward_ms"))} for name, rows in times.items()}
+    ratios = sorted(x[2] / y[2] for x, y in zip(times[a], times[b]))
+    q = statistics.quantiles(ratios, n=4)
+    out["forward_ratio"] = {"median": round(statistics.median(ratios), 3), "iqr": [round(q[0], 3), round(q[2], 3)],
+                            "pairs": [round(x, 3) for x in ratios]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b")
@@ -51,28 +74,16 @@ def main() -> None:
         for name, (spread, mask) in (("shared", SHARED), ("apart", APART)):
             ragged_kv._spread, attention.kernel_mask = spread, mask
             x = mx.array([[(5 * i + j + r) % vocab for j in range(args.width)] for i in range(args.rows)], mx.uint32)
-            t0 = time.perf_counter()
-            out = greedy_tokens(cache.forward(x)[0])
-            t1 = time.perf_counter()
-            mx.async_eval(out)
-            t2 = time.perf_counter()
-            out.tolist()
-            t3 = time.perf_counter()
+            took = timed_forward(cache, x)
             # rows keep different counts, then one offset array for all layers again
             cache.rollback([args.width - i % args.width for i in range(args.rows)])
             cache.rollback([0] * args.rows)
             mx.eval([c.state for c in cache.layers])
             if r:
-                times[name].append((t1 - t0, t2 - t1, t3 - t0))
+                times[name].append(took)
     ragged_kv._spread, attention.kernel_mask = SHARED
-    out = {"shape": args.shape, "rows": args.rows, "width": args.width, "reps": args.reps}
-    for name, rows in times.items():
-        out[name] = {k: round(statistics.median(v[i] for v in rows) * 1e3, 2)
-                     for i, k in enumerate(("build_ms", "launch_ms", "forward_ms"))}
-    ratios = sorted(a[2] / b[2] for a, b in zip(times["shared"], times["apart"]))
-    q = statistics.quantiles(ratios, n=4)
-    out["forward_ratio"] = {"median": round(statistics.median(ratios), 3), "iqr": [round(q[0], 3), round(q[2], 3)],
-                            "pairs": [round(x, 3) for x in ratios]}
+    out = {"shape": args.shape, "rows": args.rows, "width": args.width, "reps": args.reps,
+           **ab_summary(times, "shared", "apart")}
     print(json.dumps(out))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
