@@ -34,7 +34,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import mlx.nn as nn
 
-from .ragged_kv import RaggedKVCache
+from .ragged_kv import RaggedKVCache, rows_mask, write_positions
 
 KEPT = 24  # compiled graphs kept (rows x width x capacity); the least recently used goes first
 
@@ -49,12 +49,7 @@ class StaticKV:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None,
                   **_) -> mx.array:
         """Query i of row b sees keys [0, offset[b] + i]: bool (B, 1, N, C)."""
-        keys = mx.arange(self.keys.shape[2])[None, None, None, :]
-        last = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]
-        mask = keys <= last
-        if window_size is not None:
-            mask = mask & (keys > last - window_size)
-        return mask
+        return rows_mask(self.offset, N, self.keys.shape[2], window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write KEYS/VALUES (B, H, W, D) at each row's end; every position of every row back."""
@@ -89,7 +84,6 @@ class CompiledForward:
         self._graphs: OrderedDict[tuple, object] = OrderedDict()
         self.traced = 0  # graphs compiled (each costs a trace of the model in Python)
         self.trace_s = 0.0  # host seconds the calls that traced took
-
         _MADE.add(self)
 
     @classmethod
@@ -135,7 +129,7 @@ class CompiledForward:
     def _forward(self, inputs: mx.array, offset: mx.array, keys: list[mx.array],
                  values: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array]]:
         W = inputs.shape[1]
-        at = (offset[:, None] + mx.arange(W)[None])[:, None, :, None]  # (B, 1, W, 1)
+        at = write_positions(offset, W)
         layers = [StaticKV(k, v, offset, at) for k, v in zip(keys, values, strict=True)]
         logits = self.model(inputs, cache=layers)
         return logits, [c.keys for c in layers], [c.values for c in layers]

@@ -91,13 +91,7 @@ class RaggedKVCache:
         (bool (B, 1, N, extent)), a uniform batch as a ``KVCache`` does."""
         if self.uniform and window_size is None and not return_array:
             return None if N == 1 else "causal"
-        extent = max(self.ends) + N
-        keys = mx.arange(extent)[None, None, None, :]
-        last = self.offset[:, None, None, None] + mx.arange(N)[None, None, :, None]  # (B, 1, N, 1)
-        mask = keys <= last
-        if window_size is not None:
-            mask = mask & (keys > last - window_size)
-        return mask
+        return rows_mask(self.offset, N, max(self.ends) + N, window_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write KEYS/VALUES (B, H, N, D) at each row's end; return every row's keys and values
@@ -175,6 +169,22 @@ class RaggedKVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+def rows_mask(offset: mx.array, n: int, length: int, window_size: int | None = None) -> mx.array:
+    """Query i of row b (at OFFSET[b] + i) sees keys [0, offset[b] + i] of LENGTH, within
+    WINDOW_SIZE of it if given: bool (B, 1, N, LENGTH)."""
+    keys = mx.arange(length)[None, None, None, :]
+    last = offset[:, None, None, None] + mx.arange(n)[None, None, :, None]  # (B, 1, N, 1)
+    mask = keys <= last
+    if window_size is not None:
+        mask = mask & (keys > last - window_size)
+    return mask
+
+
+def write_positions(offset: mx.array, n: int) -> mx.array:
+    """Where rows at OFFSET write their N new positions: (B, 1, N, 1)."""
+    return (offset[:, None] + mx.arange(n)[None])[:, None, :, None]
+
+
 # The last write's positions: every layer of a model holds the same rows at the same ends and,
 # once a step has rolled them back together, the same offset array, so the first layer builds
 # them and the others reuse them (a forward's graph then has a few small ops for this, not a few
@@ -189,7 +199,7 @@ def _positions(offset: mx.array, n: int, uniform: bool) -> tuple[mx.array | None
     global _last
     if _last[0] is offset and _last[1] == n and _last[2] == uniform:
         return _last[3], _last[4]
-    at = None if uniform else (offset[:, None] + mx.arange(n)[None])[:, None, :, None]
+    at = None if uniform else write_positions(offset, n)
     _last = (offset, n, uniform, at, offset + n, {})
     return at, _last[4]
 
