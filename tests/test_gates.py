@@ -7,7 +7,7 @@ import pytest
 
 import tiny
 from mlxspec.engine.drafters.pld import PromptLookupDrafter, repetition_score
-from mlxspec.engine.gates import AcceptanceModel, CostModel, SpeculationGate
+from mlxspec.engine.gates import AcceptanceModel, CostModel, ShadowDrafts, SpeculationGate
 from mlxspec.engine.sampling import SamplingParams
 from mlxspec.engine.speculate import SpeculativeDecoder
 
@@ -328,6 +328,54 @@ def test_lookup_resumes_a_copy_past_one_replaced_token():
     plain = [12, 99, 7] + tokens
     d.start(plain)
     assert d.lookup(plain, 2) == [7, 1]
+
+
+H100_CURVE = {1: 1.0, 2: 1.096, 3: 1.134, 4: 1.149, 5: 1.209, 6: 1.204, 7: 1.271, 8: 1.32, 9: 1.412}
+
+
+def _echo_gate(early: bool = True):
+    """Prompt lookup gated off by a novel prompt (the 8B shape's H100 costs), then the output
+    copies a span of the prompt: (gate, shadow, drafter, tokens, span)."""
+    d = PromptLookupDrafter()
+    gate = SpeculationGate(d, 8, cost=CostModel(curve=H100_CURVE, plain=0.742, measured=True))
+    if not early:
+        gate.decided_early = lambda pending: False
+    span = list(range(100, 140))
+    tokens = list(range(1, 40)) + span + list(range(40, 60))
+    d.start(tokens)
+    gate.prompt_check(repetition_score(tokens))
+    return gate, ShadowDrafts(d, 8), tokens, span
+
+
+def _tokens_until_on(early: bool) -> int:
+    gate, shadow, tokens, span = _echo_gate(early)
+    assert gate.depth() == 0
+    for n, t in enumerate(span, start=1):
+        tokens.append(t)
+        gate.after_plain(shadow, tokens)
+        if gate.depth():
+            return n
+    raise AssertionError("never switched on")
+
+
+def test_a_shadow_proposal_switches_lookup_on_once_a_miss_could_not_stop_it():
+    """Copying a span: the first shadow proposal (8 tokens, after the 2-gram that starts it)
+    switches drafting on after 2 of its tokens matched, where settling it whole took all 8."""
+    assert _tokens_until_on(early=True) == 2 + 2
+    assert _tokens_until_on(early=False) == 2 + 8
+
+
+@pytest.mark.parametrize("matched", range(1, 8))
+def test_deciding_early_never_switches_on_where_the_whole_proposal_would_not(matched):
+    """If the gate decides early after MATCHED tokens of 8, a miss at the next one (the worst
+    the rest of the proposal can do) must still switch it on; and it decides early whenever
+    that is so (the two bounds of the rule)."""
+    gate, shadow, tokens, span = _echo_gate()
+    decided = gate.decided_early((8, matched))
+    worst, _, _, _ = _echo_gate()
+    worst.observe(8, matched)
+    assert decided == (worst.depth() > 0)
+    assert (gate.depth() > 0) == decided  # deciding early is recording the matched tokens
 
 
 def test_cost_curve_interpolates_measured_widths():

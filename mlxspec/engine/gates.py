@@ -123,6 +123,11 @@ class AcceptanceModel:
             self.reached[i] += 1.0
             self.accepted[i] += 1.0 if i < accepted else 0.0
 
+    def copy(self) -> "AcceptanceModel":
+        model = AcceptanceModel(len(self.reached), self.prior, self.prior_weight, self.decay)
+        model.reached, model.accepted = list(self.reached), list(self.accepted)
+        return model
+
     def alphas(self) -> list[float]:
         # Each position's prior is the previous position's estimate: deep positions with no
         # data look like the deepest one observed, not like a fresh guess.
@@ -207,9 +212,10 @@ class SpeculationGate:
         self.trial = enabled and drafter.uses_model and not fixed_depth
 
     # -- estimates ------------------------------------------------------------
-    def speedup(self, k: int) -> float:
+    def speedup(self, k: int, model: AcceptanceModel | None = None) -> float:
+        """Expected speed of depth K against plain decoding, by MODEL (default: the gate's own)."""
         step = getattr(self.drafter, "cost_per_step", 0.0)  # drafters outside the Drafter class have none
-        return expected_speedup(self.model, k, self.cost, self.drafter.cost_per_token, step, self.context)
+        return expected_speedup(model or self.model, k, self.cost, self.drafter.cost_per_token, step, self.context)
 
     def at_context(self, tokens: int) -> None:
         """The cache holds TOKENS now: costs are read at that length (rounded down to a
@@ -308,12 +314,32 @@ class SpeculationGate:
 
     def after_plain(self, shadow: ShadowDrafts, tokens: list[int]) -> None:
         """One token was decoded plainly (TOKENS now end with it): count it and, while
-        shadowing, settle SHADOW's proposal against it."""
+        shadowing, settle SHADOW's proposal against it, or early (see :meth:`decided_early`)."""
         self.tick_plain()
         if self.shadowing:
             settled = shadow.update(tokens)
             if settled:
                 self.observe(*settled)
+            elif self.decided_early(shadow.pending(tokens)):
+                shadow.reset()
+
+    def decided_early(self, pending: tuple[int, int] | None) -> bool:
+        """PENDING = (drafted, matched so far) of a shadow proposal not settled yet. While off,
+        if even a miss at its next token would switch drafting on, that proposal cannot decide
+        otherwise: record the MATCHED tokens as a draft of that length, all accepted (they
+        were), and let the gate switch on now instead of after the rest of the proposal has
+        passed as plain tokens (a depth-8 proposal kept prompt lookup off for 8 more tokens)."""
+        if pending is None or self.on or self.trial or not self.gating:
+            return False
+        drafted, matched = pending
+        if matched < 1:
+            return False
+        worst = self.model.copy()
+        worst.observe(drafted, matched)  # the next token misses
+        if max(self.speedup(k, worst) for k in range(1, self.max_depth + 1)) <= self.ON_ABOVE:
+            return False
+        self.observe(matched, matched)
+        return True
 
     def flush(self, record) -> None:
         """Hand each switch since the last flush to RECORD(on, reason) (Stats.record_gate)."""
@@ -392,6 +418,16 @@ class ShadowDrafts:
             self.proposal = self.drafter.lookup(tokens, self.depth)
             self.start = len(tokens)
         return settled
+
+    def pending(self, tokens: list[int]) -> tuple[int, int] | None:
+        """(drafted, matched) of a proposal read and matched so far by TOKENS but not yet
+        settled; None if there is none (or a model drafter's, not read yet)."""
+        if self.queued is not None or not self.proposal:
+            return None
+        got = tokens[self.start : self.start + len(self.proposal)]
+        if len(got) >= len(self.proposal) or got != self.proposal[: len(got)]:
+            return None
+        return len(self.proposal), len(got)
 
     def reset(self) -> None:
         self.proposal, self.queued = [], None
