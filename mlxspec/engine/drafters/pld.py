@@ -3,13 +3,6 @@
 An index maps every n-gram (n = min..max) to the position where it last ended, so a lookup
 costs O(max_ngram) dictionary probes, not a scan of the history. It is updated incrementally
 as tokens are committed; committed tokens never change, so it never needs rolling back.
-
-Past an edit: when the text copies an earlier span but one token differs (a renamed
-identifier, a changed number), no n-gram ending at that token occurred before, so plain
-lookup finds nothing until two more tokens have passed. Then the lookup assumes a
-substitution: it matches the n-gram just before the last token and proposes what followed
-that match one token on, so the copy resumes at once. Its n-gram is at least
-SUBSTITUTION_NGRAM long, since a guess about an edit needs more context than a plain match.
 """
 
 from __future__ import annotations
@@ -84,28 +77,11 @@ class PromptLookupDrafter(Drafter):
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         return self.peek(tokens, [], k)
 
-    SUBSTITUTION_NGRAM = 3  # the shortest n-gram before an edited token that resumes the copy
-
     def _search(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             pos = self._index.get(tuple(tokens[-n:]))
             if pos is not None:
                 return self._copy(tokens, pos, k)
-        return self._after_substitution(tokens, k)
-
-    def _after_substitution(self, tokens: list[int], k: int) -> list[int]:
-        # The last token replaced one of an earlier span: match the n-gram before it at an
-        # earlier place (end e, before the n-gram's own end), then copy on from e + 2.
-        edited = len(tokens) - 1
-        shortest = max(self.min_ngram, self.SUBSTITUTION_NGRAM)
-        for n in range(min(self.max_ngram, edited - 1), shortest - 1, -1):
-            gram = tuple(tokens[edited - n : edited])
-            latest = self._index.get(gram)
-            ends = [latest] if latest is not None else []
-            ends += self._earlier.get(gram, [])[::-1]
-            for end in ends:
-                if end + 2 < edited:  # an earlier place, with a token after the replaced one
-                    return self._copy(tokens, end + 1, k)
         return []
 
     @staticmethod
