@@ -282,11 +282,11 @@ def test_lookup_prefers_longest_then_most_recent():
 H100_CURVE = {1: 1.0, 2: 1.096, 3: 1.134, 4: 1.149, 5: 1.209, 6: 1.204, 7: 1.271, 8: 1.32, 9: 1.412}
 
 
-def _echo_gate(early: bool = True):
+def _echo_gate(early: bool = True, fixed_depth: int | None = None):
     """Prompt lookup gated off by a novel prompt (the 8B shape's H100 costs), then the output
-    copies a span of the prompt: (gate, shadow, drafter, tokens, span)."""
+    copies a span of the prompt: (gate, shadow, tokens, span)."""
     d = PromptLookupDrafter()
-    gate = SpeculationGate(d, 8, cost=CostModel(curve=H100_CURVE, plain=0.742, measured=True))
+    gate = SpeculationGate(d, 8, cost=CostModel(curve=H100_CURVE, plain=0.742, measured=True), fixed_depth=fixed_depth)
     if not early:
         gate.decided_early = lambda pending: False
     span = list(range(100, 140))
@@ -314,17 +314,28 @@ def test_a_shadow_proposal_switches_lookup_on_once_a_miss_could_not_stop_it():
     assert _tokens_until_on(early=False) == 2 + 8
 
 
+@pytest.mark.parametrize("fixed_depth", [None, 8])
 @pytest.mark.parametrize("matched", range(1, 8))
-def test_deciding_early_never_switches_on_where_the_whole_proposal_would_not(matched):
+def test_deciding_early_never_switches_on_where_the_whole_proposal_would_not(matched, fixed_depth):
     """If the gate decides early after MATCHED tokens of 8, a miss at the next one (the worst
     the rest of the proposal can do) must still switch it on; and it decides early whenever
-    that is so (the two bounds of the rule)."""
-    gate, shadow, tokens, span = _echo_gate()
+    that is so (the two bounds of the rule). A depth the user fixed is the only one weighed."""
+    gate, shadow, tokens, span = _echo_gate(fixed_depth=fixed_depth)
     decided = gate.decided_early((8, matched))
-    worst, _, _, _ = _echo_gate()
+    worst, _, _, _ = _echo_gate(fixed_depth=fixed_depth)
     worst.observe(8, matched)
     assert decided == (worst.depth() > 0)
     assert (gate.depth() > 0) == decided  # deciding early is recording the matched tokens
+
+
+def test_deciding_early_weighs_only_the_depth_the_user_fixed():
+    """A 2-token verify costs what a plain token does, a 3-token one three: at the fixed depth
+    2 drafting never pays, so no proposal decides early, though depth 1 would pay."""
+    d = PromptLookupDrafter()
+    gate = SpeculationGate(d, 2, cost=CostModel(curve={1: 1.0, 2: 1.0, 3: 3.0}, measured=True), fixed_depth=2)
+    gate.prompt_check(0.0)
+    assert not gate.decided_early((8, 7))
+    assert gate.depth() == 0
 
 
 def test_cost_curve_interpolates_measured_widths():

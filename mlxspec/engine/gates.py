@@ -230,12 +230,14 @@ class SpeculationGate:
     def best_depth(self) -> tuple[int, float]:
         # Asked once per token while decoding plainly: recomputed only after new observations.
         if self._best is None:
-            if self.fixed_depth:
-                self._best = self.fixed_depth, self.speedup(self.fixed_depth)
-            else:
-                self._best = max(((k, self.speedup(k)) for k in range(1, self.max_depth + 1)),
-                                 key=lambda x: x[1])
+            self._best = self.best_depth_by(self.model)
         return self._best
+
+    def best_depth_by(self, model: AcceptanceModel) -> tuple[int, float]:
+        """(depth, expected speedup) of the best depth MODEL says this gate may draft at."""
+        if self.fixed_depth:
+            return self.fixed_depth, self.speedup(self.fixed_depth, model)
+        return max(((k, self.speedup(k, model)) for k in range(1, self.max_depth + 1)), key=lambda x: x[1])
 
     # -- decisions --------------------------------------------------------------
     def switch(self, on: bool, reason: str) -> None:
@@ -336,7 +338,7 @@ class SpeculationGate:
             return False
         worst = self.model.copy()
         worst.observe(drafted, matched)  # the next token misses
-        if max(self.speedup(k, worst) for k in range(1, self.max_depth + 1)) <= self.ON_ABOVE:
+        if self.best_depth_by(worst)[1] <= self.ON_ABOVE:
             return False
         self.observe(matched, matched)
         return True
