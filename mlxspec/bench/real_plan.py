@@ -23,6 +23,9 @@ WITH_KERNELS = "mlx-lm + mlxspec kernels"  # generate_step in the bench's proces
 STOCK_ENGINES = (BASELINE, STOCK_DRAFT)
 ENGINES = (BASELINE, STOCK_DRAFT, WITH_KERNELS, "mlxspec-none", "mlxspec-pld", "mlxspec-mtp", "mlxspec-draft",
            "mlxspec-assistant", "mlxspec-dflash")
+# --engines names for the cells' engines (the CLI's spelling: no spaces); the baseline always runs
+ENGINE_FLAGS = {"mlx-lm": BASELINE, "mlx-lm-draft": STOCK_DRAFT, "mlx-lm-kernels": WITH_KERNELS,
+                **{e: e for e in ENGINES if e.startswith("mlxspec-")}}
 DFLASH_CHAINS = (3, 7, 15)  # forced chain depths: blocks of 4, 8 and 16
 DFLASH_TREES = (4, 8, 16, 32)  # draft-tree node budgets
 MLX_LM_DRAFT_DEPTH = 3  # the stock draft loop's num_draft_tokens, as in `mlxspec bench`
@@ -90,6 +93,20 @@ def profile_cells(w: str, assistant: bool, block: int | None) -> list[Cell]:
     if w == "mtp-like" and not assistant:
         return [Cell(w, BASELINE), Cell(w, "mlxspec-mtp")]
     return []
+
+
+def parse_engines(text: str | None) -> frozenset[str] | None:
+    """``--engines`` of ``--real-shapes``: the engines whose cells run, the stock baseline always
+    among them (every ratio is against it); None (no flag): every cell of the plan."""
+    if text is None:
+        return None
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UsageError("--engines needs at least one engine name")
+    for name in names:
+        if name not in ENGINE_FLAGS:
+            raise UsageError(f"unknown engine '{name}' for --real-shapes; choose from {', '.join(ENGINE_FLAGS)}")
+    return frozenset([BASELINE, *(ENGINE_FLAGS[n] for n in names)])
 
 
 def parse_shapes(text: str) -> list[str]:

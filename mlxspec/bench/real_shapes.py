@@ -360,11 +360,12 @@ class ShapeBench:
 def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_tokens: int = 128,
                     reps: int = 8, depths=tuple(range(1, 9)), workloads=WORKLOADS,
                     temperature: float | None = 0.7, seed: int = 0, on_step=None,
-                    on_partial=None) -> dict:
+                    on_partial=None, engines: frozenset[str] | None = None) -> dict:
     """Every cell of every shape, ``reps`` ABAB repetitions against stock mlx-lm
     (:func:`.real_summary.measure`); returns the JSON-ready result (without the environment):
     ``baseline`` names it, each shape carries its process's evidence. ``on_partial(result)``
-    gets the cells so far after each repetition (to save them)."""
+    gets the cells so far after each repetition (to save them). ``engines``: only these engines'
+    cells (:func:`.real_plan.parse_engines`; None: all)."""
     import mlx.core as mx
 
     from .script import parse_workload
@@ -377,7 +378,8 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
     cells_out, shapes_out = [], []
     config = {"shapes": list(shapes), "bits": bits, "prompt_tokens": prompt_tokens,
               "max_tokens": max_tokens, "reps": reps, "order": "ABAB", "depths": list(depths),
-              "workloads": list(workloads), "temperature": temperature, "seed": seed}
+              "workloads": list(workloads), "temperature": temperature, "seed": seed,
+              "engines": sorted(engines) if engines is not None else "all"}
     result = lambda cells, infos: {"baseline": BASELINE, "config": config, "shapes": infos, "cells": cells}  # noqa: E731
     for si, shape in enumerate(shapes):
         bench = ShapeBench(shape, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
@@ -387,7 +389,8 @@ def run_real_shapes(shapes, *, bits: int = 4, prompt_tokens: int = 512, max_toke
         try:
             cells = [c for c in plan(workloads, bench.dense, depths, temperature, assistant=bench.assistant is not None,
                                      dflash_block=bench.dflash.block_size if bench.dflash is not None else None)
-                     if c.tree == 0 or bench.tree_error is None]  # trees that broke their timing would break runs
+                     if (c.tree == 0 or bench.tree_error is None)  # trees that broke their timing would break runs
+                     and (engines is None or c.engine in engines)]
             for cell in cells:  # warm-up, whole runs: MLX's CUDA backend builds kernels per new
                 # input shape (seconds each on an MoE shape); every shape a timed run meets is met here
                 say(f"{shape}: warm-up {cell.workload} {cell.engine}", si, len(shapes))

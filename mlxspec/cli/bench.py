@@ -198,7 +198,8 @@ def bench(
         elif real_shapes is not None:
             _check(sweep is None and model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL, --draft-model or --sweep")
-            _run_real_shapes(real_shapes, bits=bits, workloads=workloads, depths=depths, prompt_tokens=prompt_tokens,
+            _run_real_shapes(real_shapes, bits=bits, workloads=workloads, engines=engines, depths=depths,
+                             prompt_tokens=prompt_tokens,
                              max_tokens=max_tokens or 128, reps=reps or 8, seed=seed,
                              temperature=temperature if temp_pass else None, outputs=outputs)
         elif sweep is not None:
@@ -261,15 +262,17 @@ def _redraw(paths: list[str], png_path: Optional[str]) -> None:
     _outputs(docs, None, png_path)
 
 
-def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_tokens, reps, seed, temperature,
-                     outputs) -> None:
+def _run_real_shapes(names: str, *, bits, workloads, engines, depths, prompt_tokens, max_tokens, reps, seed,
+                     temperature, outputs) -> None:
     """``bench --real-shapes``: the engines on scripted random-weight models."""
     check_bits(bits)
     from ..bench.prompts import parse_list
+    from ..bench.real_plan import parse_engines
     from ..bench.real_shapes import WORKLOADS, parse_shapes, run_real_shapes
     from ..bench.report import real_shapes_document, write_json
 
     shapes = parse_shapes(names)
+    only = parse_engines(engines)
     chosen = parse_list(workloads, "workloads") or list(WORKLOADS)
     given = parse_list(depths, "depths")
     _check(all(d.isdigit() and MIN_DEPTH <= int(d) <= MAX_DEPTH for d in given),
@@ -283,7 +286,7 @@ def _run_real_shapes(names: str, *, bits, workloads, depths, prompt_tokens, max_
     with progress("real shapes") as on_step:
         result = run_real_shapes(shapes, bits=bits, prompt_tokens=prompt_tokens, max_tokens=max_tokens, reps=reps,
                                  workloads=chosen, depths=tuple(int(d) for d in given), seed=seed,
-                                 temperature=temperature, on_step=on_step, on_partial=save_partial)
+                                 temperature=temperature, on_step=on_step, on_partial=save_partial, engines=only)
     _outputs([real_shapes_document(result)], json_path, png_path)
     if not all(c["identical"] for c in result["cells"]):
         print_note("note: some cell's tokens differ from the script (column identical)")

@@ -38,7 +38,9 @@ MaxTokensOption = Annotated[Optional[int], typer.Option(
 EnginesOption = Annotated[Optional[str], typer.Option(
     "--engines", metavar="NAMES", show_default=False,
     help="Comma-separated subset of mlx-lm, mlx-lm-draft, mlxspec-none, mlxspec-pld, "
-         "mlxspec-draft, mlxspec-mtp, mlxspec-assistant, mlxspec-auto (default: all; mlx-lm always runs).")]
+         "mlxspec-draft, mlxspec-mtp, mlxspec-assistant, mlxspec-auto (default: all; mlx-lm always runs). "
+         "With --real-shapes: of mlx-lm-draft, mlx-lm-kernels (mlx-lm with mlxspec's kernels) and "
+         "mlxspec-none, -pld, -mtp, -draft, -assistant, -dflash; stock mlx-lm always runs.")]
 RepsOption = Annotated[Optional[int], typer.Option(
     "--reps", metavar="N", show_default=False,
     help="Repetitions, of which the median is reported (default 3; with --sweep: timed "
