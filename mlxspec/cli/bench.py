@@ -199,8 +199,7 @@ def bench(
             _check(sweep is None and model is None and draft_model is None,
                    "--real-shapes builds its own random models: give no MODEL, --draft-model or --sweep")
             _run_real_shapes(real_shapes, bits=bits, workloads=workloads, engines=engines, depths=depths,
-                             prompt_tokens=prompt_tokens,
-                             max_tokens=max_tokens or 128, reps=reps or 8, seed=seed,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens or 128, reps=reps or 8, seed=seed,
                              temperature=temperature if temp_pass else None, outputs=outputs)
         elif sweep is not None:
             _check(model is None and draft_model is None,
