@@ -117,13 +117,14 @@ def test_cli_real_shapes_json_and_errors(tmp_path):
     out = tmp_path / "rs.json"
     res = runner.invoke(cli.app, ["bench", "--real-shapes", "smoke", "--bits", "0", "--reps", "1", "--max-tokens", "8",
                                   "--prompt-tokens", "32", "--workloads", "novel", "--no-temp-pass",
-                                  "--engines", "mlxspec-pld,mlx-lm-kernels", "--json", str(out)])
+                                  "--engines", "mlxspec-pld,mlx-lm-kernels,mlxspec-draft", "--json", str(out)])
     assert res.exit_code == 0, res.output
+    assert "no cell of these workloads runs mlxspec-draft" in res.output  # novel has no draft-model cell
     doc = json.loads(out.read_text())
     assert {"device", "mlx", "cells"} <= set(doc)
     # --engines: only those engines' cells (of novel's: stock, kernels, none, pld, mtp), stock always
     assert {c["engine"] for c in doc["cells"]} == {BASELINE, WITH_KERNELS, "mlxspec-pld"}
-    assert doc["real_shapes"]["config"]["engines"] == sorted({BASELINE, WITH_KERNELS, "mlxspec-pld"})
+    assert doc["real_shapes"]["config"]["engines"] == sorted({BASELINE, WITH_KERNELS, "mlxspec-pld", "mlxspec-draft"})
     assert doc["baseline"] == "mlx-lm (stock)"
     for c in doc["cells"]:
         assert set(CELL_KEYS) <= set(c) and c["identical"]
@@ -134,6 +135,8 @@ def test_cli_real_shapes_json_and_errors(tmp_path):
                       (["--real-shapes", "smoke", "--workloads", "chat"], "unknown workload"),
                       (["--real-shapes", "smoke", "--engines", "mlxspec-pdl"], "unknown engine 'mlxspec-pdl'"),
                       (["--real-shapes", "smoke", "--engines", ","], "at least one engine"),
+                      (["--real-shapes", "smoke", "--concurrency", "2", "--engines", "mlxspec-pld"], "--engines picks"),
+                      (["--sweep", "smoke", "--engines", "mlxspec-pld"], "--engines picks"),
                       (["some-model", "--real-shapes", "smoke"], "give no MODEL")]:
         bad = runner.invoke(cli.app, ["bench", *args])
         assert bad.exit_code != 0 and msg in bad.output, bad.output

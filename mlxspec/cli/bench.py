@@ -176,7 +176,7 @@ def bench(
             return
         _check_counts(reps=reps, draft_depth=draft_depth, depth=depth, temperature=temperature, prompts=prompts,
                       max_tokens=max_tokens)
-        _check_png(png_path)  # before minutes of measuring, not after
+        _check_early(png_path, engines, chat or sharded or (sweep, concurrency, join_tokens) != (None, None, None))
         if concurrency is not None or join_tokens is not None:
             _check(not chat and sweep is None, "--concurrency is a benchmark of its own: give no --chat or --sweep")
             return _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_shapes, bits=bits,
@@ -240,7 +240,12 @@ def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens)
     check_values({"max_tokens": max_tokens}, {"max_tokens": "--max-tokens"})
 
 
-def _check_png(png_path: Optional[str]) -> None:
+def _check_early(png_path: Optional[str], engines: Optional[str], own_engines: bool) -> None:
+    """Before minutes of measuring, not after: the chart can be drawn, and --engines is not
+    given to a benchmark that runs engines of its own (OWN_ENGINES: --chat, --sweep,
+    --concurrency, --sharded), where it would be ignored."""
+    _check(engines is None or not own_engines, "--engines picks the engines of the prompt sets or of --real-shapes; "
+           "--chat, --sweep, --concurrency and --sharded run engines of their own")
     if png_path:
         from ..bench.report import check_matplotlib
 
@@ -287,6 +292,8 @@ def _run_real_shapes(names: str, *, bits, workloads, engines, depths, prompt_tok
                                  workloads=chosen, depths=tuple(int(d) for d in given), seed=seed,
                                  temperature=temperature, on_step=on_step, on_partial=save_partial, engines=only)
     _outputs([real_shapes_document(result)], json_path, png_path)
+    if only is not None and (idle := sorted(only - {c["engine"] for c in result["cells"]})):
+        print_note(f"note: no cell of these workloads runs {', '.join(idle)}")
     if not all(c["identical"] for c in result["cells"]):
         print_note("note: some cell's tokens differ from the script (column identical)")
 
