@@ -95,18 +95,24 @@ def profile_cells(w: str, assistant: bool, block: int | None) -> list[Cell]:
     return []
 
 
+def known_names(text: str, known, flag: str, what: str) -> list[str]:
+    """TEXT's comma-separated names, each one of KNOWN, at least one (a UsageError naming FLAG
+    and WHAT otherwise)."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise UsageError(f"{flag} needs at least one {what}")
+    for name in names:
+        if name not in known:
+            raise UsageError(f"unknown {what} '{name}' for --real-shapes; choose from {', '.join(known)}")
+    return names
+
+
 def parse_engines(text: str | None) -> frozenset[str] | None:
     """``--engines`` of ``--real-shapes``: the engines whose cells run, the stock baseline always
     among them (every ratio is against it); None (no flag): every cell of the plan."""
     if text is None:
         return None
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise UsageError("--engines needs at least one engine name")
-    for name in names:
-        if name not in ENGINE_FLAGS:
-            raise UsageError(f"unknown engine '{name}' for --real-shapes; choose from {', '.join(ENGINE_FLAGS)}")
-    return frozenset([BASELINE, *(ENGINE_FLAGS[n] for n in names)])
+    return frozenset([BASELINE, *(ENGINE_FLAGS[n] for n in known_names(text, ENGINE_FLAGS, "--engines", "engine"))])
 
 
 def parse_shapes(text: str) -> list[str]:
@@ -114,10 +120,4 @@ def parse_shapes(text: str) -> list[str]:
 
     if text.strip() == "all":
         return list(DEFAULT_SHAPES)
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    if not names:
-        raise UsageError("--real-shapes needs at least one shape")
-    for name in names:
-        if name not in SHAPES:
-            raise UsageError(f"unknown shape '{name}' for --real-shapes; choose from {', '.join(SHAPES)}")
-    return names
+    return known_names(text, SHAPES, "--real-shapes", "shape")
