@@ -39,8 +39,8 @@ _chunks = attention.chunks
 
 def set_cap(cap: int | None) -> None:
     """Let a pass-1 block read at most CAP keys (whole tiles; None: the shipped count)."""
-    def capped(S: int, blocks_per_chunk: int) -> int:
-        n = _chunks(S, blocks_per_chunk)
+    def capped(S: int, blocks_per_chunk: int, tiles: int = 1) -> int:
+        n = _chunks(S, blocks_per_chunk, tiles)
         if cap:
             tile = attention.TILE
             n = max(n, min(-(-S // tile), -(-S // max(tile, cap // tile * tile))))

@@ -22,7 +22,7 @@ from mlx_lm.models import gated_delta
 
 import gdn_grad  # tests/gdn_grad.py: the backward kernel, outside the package
 from mlxspec import kernels
-from mlxspec.kernels import attention, gdn, qmm, qmm_tc
+from mlxspec.kernels import attention, attention_source, gdn, qmm, qmm_tc
 
 _CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half",
                mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
@@ -65,27 +65,29 @@ using Strides = cuda::std::array<int64_t, 10>;
 
 
 def _attention_units() -> list[str]:
-    """Every attention kernel variant: head sizes, float types, mask kinds (additive masks in
-    the queries' type and in float32)."""
+    """Every attention kernel variant: both splits with their query tiles, head sizes, float
+    types, mask kinds (additive masks in the queries' type and in float32)."""
     units = []
     for D in attention.HEAD_DIMS:
+        tiles = [("queries", attention.QUERIES_PER_WARP)] + [("keys", t) for t in attention.KEY_SPLIT_TILES[D]]
         for dtype in attention.DTYPES:
             tname = _CUDA_TYPES[dtype].strip("_")
-            for kind in attention.MASK_KINDS:
+            for kind in attention_source.MASK_KINDS:
                 mask_types = {"bool": [mx.bool_], "add": [dtype, mx.float32]}.get(kind, [None])
                 for mtype in dict.fromkeys(mask_types):
                     inputs = [("queries", dtype), ("keys", dtype), ("values", dtype), ("scale", mx.float32)]
-                    template = [("T", dtype), ("D", D), ("NW", attention.WARPS), ("QPW", attention.QUERIES_PER_WARP)]
                     if mtype is not None:
                         inputs.append(("mask", mtype))
-                    if kind == "add":
-                        template.append(("MaskT", mtype))
                     assert [n for n, _ in inputs] == attention.partial_inputs(kind)
-                    units.append(_wrap(f"attn_{kind}_{tname}_{D}_{_CUDA_TYPES[mtype or dtype].strip('_')}",
-                                       attention.partial_source(kind), inputs,
-                                       [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
-                                       template))
-            units.append(_wrap(f"attn_combine_{tname}_{D}", attention._COMBINE,
+                    for split, qpw in tiles:
+                        template = [("T", dtype), ("D", D), ("NW", attention.WARPS), ("QPW", qpw)]
+                        if kind == "add":
+                            template.append(("MaskT", mtype))
+                        name = f"attn_{split}_{kind}_{tname}_{D}_{_CUDA_TYPES[mtype or dtype].strip('_')}_{qpw}"
+                        units.append(_wrap(name, attention_source.partial_source(kind, split), inputs,
+                                           [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
+                                           template))
+            units.append(_wrap(f"attn_combine_{tname}_{D}", attention_source.COMBINE,
                                [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
                                [("out", dtype)], [("T", dtype), ("D", D)]))
     return units
@@ -121,7 +123,7 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
                                [("y", dtype)], [("InT", dtype), ("MT", col_tiles), ("NT", row_tiles), ("KW", 4)]))
     cu = tmp_path / "kernels.cu"
     units += _attention_units()
-    cu.write_text(_PRELUDE + qmm._HEADER + qmm_tc._HEADER + attention._HEADER
+    cu.write_text(_PRELUDE + qmm._HEADER + qmm_tc._HEADER + attention_source.HEADER
                   + "namespace mlx::core::cu {\n" + "\n".join(units) + "}\n")
     # -O0: the front end's checks are the point, and optimizing ~50 variants takes seconds
     done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-Xcicc", "-O0",
@@ -454,13 +456,37 @@ def test_a_forwards_mask_is_viewed_once_for_all_its_layers():
     assert kernel_mask(other, (2, 8, 1, 3)) is not kernel_mask(mask, (2, 8, 1, 3))  # the next forward's
 
 
+def test_one_row_attention_goes_to_the_kernel_only_over_long_caches(monkeypatch):
+    """Plain decoding's one-row attention keeps MLX's kernel unless ONE_ROW_FROM_KEYS says the
+    cache is long enough for ours; more rows always take ours."""
+    monkeypatch.setattr(attention, "active", lambda: True)
+    q1, k, v, cache = _qkv(L=1, S=40)
+    q4 = _qkv(L=4, S=40)[0]
+    for threshold, one_row in ((None, False), (41, False), (40, True), (1, True)):
+        monkeypatch.setattr(attention, "ONE_ROW_FROM_KEYS", threshold)
+        assert attention.eligible(q1, k, v, cache, None, None) is one_row, threshold
+        assert attention.eligible(q4, k, v, cache, "causal", None)
+    assert not attention.eligible(q1, k, v, cache, None, mx.zeros((8,)))  # sinks: MLX's still
+
+
 def test_attention_chunks_cover_the_keys_once():
     for S in (1, 2, 31, 32, 33, 300, 512, 1000, 2049, 8191, 40000):
         for per_chunk in (1, 8, 24, 96, 264, 1000):
-            n = attention.chunks(S, per_chunk)
-            length = -(-(-(-S // n)) // attention.TILE) * attention.TILE  # as the kernel computes it
-            assert n * length >= S and (n - 1) * length < S, (S, per_chunk)
-            assert n == 1 or n * per_chunk <= attention.TARGET_BLOCKS + per_chunk
+            for tiles in (1, attention.WARPS):
+                n = attention.chunks(S, per_chunk, tiles)
+                length = -(-(-(-S // n)) // attention.TILE) * attention.TILE  # as the kernel computes it
+                assert n * length >= S and (n - 1) * length < S, (S, per_chunk)
+                assert n == 1 or n * per_chunk <= attention.TARGET_BLOCKS + per_chunk
+                assert n == 1 or length >= tiles * attention.TILE  # every warp of a block has keys
+
+
+def test_attention_splits_by_keys_for_few_query_vectors():
+    assert attention.split_for(128, 4) == ("keys", 8, 8)  # the 8B's heads, one row
+    assert attention.split_for(128, 12) == ("keys", 16, 16)
+    assert attention.split_for(256, 12) == ("keys", 8, 8)  # two tiles of 8: 16 would spill
+    assert attention.split_for(128, attention.KEY_SPLIT_VECTORS + 1) == ("queries", 8, 4 * 8)
+    for split, qpw in (("keys", 16), ("queries", 8)):
+        assert attention.shared_bytes(split, 256, qpw) <= 100 * 1024
 
 
 def _tiny_qwen3():
@@ -563,5 +589,6 @@ def test_kernel_sources_reach_mlx_without_comments():
 
     assert compact('  // gone\n\n   int a = 1;  // gone too\n asm("x // kept" : "+f"(c));\n') == \
         'int a = 1;\nasm("x // kept" : "+f"(c));\n'
-    for src in (qmm._SOURCE, qmm_tc._HEADER, qmm_tc._SOURCE, attention.partial_source("causal"), gdn._SOURCE):
+    for src in (qmm._SOURCE, qmm_tc._HEADER, qmm_tc._SOURCE, attention_source.partial_source("causal", "queries"),
+                attention_source.partial_source("causal", "keys"), gdn._SOURCE):
         assert compact(src) == src  # already compact: no comment, indentation or blank line left
