@@ -139,22 +139,7 @@ PARTIAL_BY_KEYS = compact("""
                 } else {
                     x = NEG_INF;  // not a key: no weight even in a fully masked row
                 }
-                float tile_max = x;
-                #pragma unroll
-                for (int off = 16; off > 0; off >>= 1) {
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, off));
-                }
-                const float m_new = fmaxf(m_run[t], tile_max);
-                const float m_use = m_new == NEG_INF ? 0.0f : m_new;  // all -inf so far: no NaN
-                const float alpha = expf(m_run[t] - m_use);
-                const float p = expf(x - m_use);
-                l_run[t] = l_run[t] * alpha + p;
-                m_run[t] = m_new;
-                p_s[t * TK + lane] = p;
-                #pragma unroll
-                for (int e = 0; e < EPL; ++e) {
-                    acc[t][e] *= alpha;
-                }
+                p_s[t * TK + lane] = mlxspec_attn_online<EPL>(x, m_run[t], l_run[t], acc[t]);
             }
         }
         __syncwarp();

@@ -81,6 +81,30 @@ __device__ inline void mlxspec_attn_load_tile(float* dst, const T* src, long lon
     }
 }
 
+// One 32-key tile's online-softmax step for one query vector: X is this lane's masked score.
+// Raises the running max M to the tile's, rescales the lane's share of the sum L and its
+// accumulators ACC by the change, and returns this lane's weight exp(x - max).
+template <int EPL>
+__device__ __forceinline__ float mlxspec_attn_online(float x, float& m, float& l, float* acc) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    float tile_max = x;
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, off));
+    }
+    const float m_new = fmaxf(m, tile_max);
+    const float m_use = m_new == NEG_INF ? 0.0f : m_new;  // all -inf so far: no NaN
+    const float alpha = expf(m - m_use);
+    const float p = expf(x - m_use);
+    l = l * alpha + p;
+    m = m_new;
+    #pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        acc[e] *= alpha;
+    }
+    return p;
+}
+
 // N contiguous elements of T to floats, in one load (4 or 8 bytes) or 16-byte loads; the
 // source is aligned to min(16, N * sizeof(T)) bytes.
 template <typename T, int Bytes> struct mlxspec_attn_vec;
@@ -213,22 +237,7 @@ PARTIAL_BY_QUERIES = compact("""
                 } else {
                     x = NEG_INF;  // not a key: no weight even in a fully masked row
                 }
-                float tile_max = x;
-                #pragma unroll
-                for (int off = 16; off > 0; off >>= 1) {
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, off));
-                }
-                const float m_new = fmaxf(m_run[t], tile_max);
-                const float m_use = m_new == NEG_INF ? 0.0f : m_new;  // all -inf so far: no NaN
-                const float alpha = expf(m_run[t] - m_use);
-                const float p = expf(x - m_use);
-                l_run[t] = l_run[t] * alpha + p;
-                m_run[t] = m_new;
-                p_s[(warp * QPW + t) * TK + lane] = p;
-                #pragma unroll
-                for (int e = 0; e < EPL; ++e) {
-                    acc[t][e] *= alpha;
-                }
+                p_s[(warp * QPW + t) * TK + lane] = mlxspec_attn_online<EPL>(x, m_run[t], l_run[t], acc[t]);
             }
         }
 
