@@ -116,9 +116,9 @@ def variant(name: str, compare):
     """The dispatch as shipped, with one-row attention on the kernel, or with the compared kernel."""
     saved_from, saved_attend = attention.ONE_ROW_FROM_KEYS, attention.attend
     if name == "one_row":
-        attention.ONE_ROW_FROM_KEYS = 1
+        attention.ONE_ROW_FROM_KEYS = dict.fromkeys(attention.HEAD_DIMS, 1)
     elif name == "compare":
-        attention.ONE_ROW_FROM_KEYS = None
+        attention.ONE_ROW_FROM_KEYS = {}
         attention.attend = compare.attend
     try:
         yield
@@ -158,7 +158,7 @@ def part_model(contexts, rounds: int, shape: str, compare, widths=(1, 2, 4)) -> 
                     if r:  # round 0 warms up
                         times[(name, n)].append(time.perf_counter() - t0)
         result = {"shape": shape, "context": context, "rounds": rounds - 1,
-                  "one_row_from_keys": attention.ONE_ROW_FROM_KEYS}
+                  "one_row_from_keys": dict(attention.ONE_ROW_FROM_KEYS)}
         for name in names:
             ms = {n: statistics.median(times[(name, n)]) * 1e3 for n in widths}
             result[name] = {f"ms_{n}": round(ms[n], 3) for n in widths} | {

@@ -458,11 +458,11 @@ def test_a_forwards_mask_is_viewed_once_for_all_its_layers():
 
 def test_one_row_attention_goes_to_the_kernel_only_over_long_caches(monkeypatch):
     """Plain decoding's one-row attention keeps MLX's kernel unless ONE_ROW_FROM_KEYS says the
-    cache is long enough for ours; more rows always take ours."""
+    cache is long enough for ours at that head dim; more rows always take ours."""
     monkeypatch.setattr(attention, "active", lambda: True)
-    q1, k, v, cache = _qkv(L=1, S=40)
+    q1, k, v, cache = _qkv(L=1, S=40)  # head_dim 64
     q4 = _qkv(L=4, S=40)[0]
-    for threshold, one_row in ((None, False), (41, False), (40, True), (1, True)):
+    for threshold, one_row in (({}, False), ({128: 1}, False), ({64: 41}, False), ({64: 40}, True), ({64: 1}, True)):
         monkeypatch.setattr(attention, "ONE_ROW_FROM_KEYS", threshold)
         assert attention.eligible(q1, k, v, cache, None, None) is one_row, threshold
         assert attention.eligible(q4, k, v, cache, "causal", None)

@@ -45,9 +45,9 @@ from .switch import active
 _mlx_lm_sdpa = _base.scaled_dot_product_attention
 
 MIN_ROWS = 2  # one row (decoding) keeps MLX's kernel, which has no per-shape cost...
-# ...except over caches of at least this many keys, where this kernel reads them faster
-# (None: never). Set from whole-forward timings on an H100/H200: see docs/benchmarks.md.
-ONE_ROW_FROM_KEYS: int | None = None
+# ...except, for a head dim named here, over caches of at least this many keys, where this
+# kernel is faster in whole forwards (timed on an H100: docs/benchmarks.md).
+ONE_ROW_FROM_KEYS: dict[int, int] = {}
 MAX_ROWS = 16
 HEAD_DIMS = (64, 128, 256)
 
@@ -185,12 +185,13 @@ def unsupported(q, k, v, mask) -> str | None:
 
 def eligible(queries, keys, values, cache, mask, sinks) -> bool:
     """What the dispatcher sends to the kernel: at least MIN_ROWS query rows (one row keeps
-    MLX's decode kernel, and is asked about first: it costs next to nothing more than mlx-lm's
-    call), plain float K/V (not a quantized cache), no sinks, the kernels active, and inputs
-    the kernel takes."""
-    rows = queries.shape[2]
-    if rows < MIN_ROWS and (ONE_ROW_FROM_KEYS is None or rows != 1 or keys.shape[2] < ONE_ROW_FROM_KEYS):
-        return False
+    MLX's decode kernel unless ONE_ROW_FROM_KEYS names its head dim and the cache is that long,
+    and is asked about first: it costs next to nothing more than mlx-lm's call), plain float
+    K/V (not a quantized cache), no sinks, the kernels active, and inputs the kernel takes."""
+    if queries.shape[2] < MIN_ROWS:
+        from_keys = ONE_ROW_FROM_KEYS.get(queries.shape[3])
+        if from_keys is None or keys.shape[2] < from_keys:
+            return False
     if sinks is not None or hasattr(cache, "bits") or not active():
         return False
     return unsupported(queries, keys, values, mask) is None
