@@ -3,9 +3,10 @@
 MLX 0.32's CUDA ``mx.fast.scaled_dot_product_attention`` builds a new cuDNN graph for every
 new (query rows, key length) it sees with more than one query row: 50-70 ms a call, and a
 verify step's key length is new every step (the cache grows by the accepted tokens). One query
-row (plain decoding) takes another path, which is fine over short caches and slow over long
-ones (about 750 GB/s at 32K keys on an H200). This kernel's launch never depends on the key
-length, so it costs the same at every step.
+row (plain decoding) takes another path, which is fast at head_dim 128 and half this kernel's
+speed at 256 (one H100, 32K keys: docs/benchmarks.md); it stays MLX's unless ONE_ROW_FROM_KEYS
+says otherwise. This kernel's launch never depends on the key length, so it costs the same at
+every step.
 
 Flash-decoding in two launches (sources: ``attention_source.py``). Pass 1: one block per (key
 chunk, tile of query vectors, batch x KV head); the query vectors are the L rows of the
