@@ -69,15 +69,7 @@ PARTIAL_BY_KEYS = compact("""
     float m_run[QPW];
     float l_run[QPW];  // this lane's share of the sum (its keys); added across lanes at the end
     float acc[QPW][EPL];
-    #pragma unroll
-    for (int t = 0; t < QPW; ++t) {
-        m_run[t] = NEG_INF;
-        l_run[t] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            acc[t][e] = 0.0f;
-        }
-    }
+    mlxspec_attn_init<QPW, EPL>(m_run, l_run, acc);
     const T* k_src = keys + b * keys_strides[0] + kvh * keys_strides[1];
     const T* v_src = values + b * values_strides[0] + kvh * values_strides[1];
     const long long ks = keys_strides[2];

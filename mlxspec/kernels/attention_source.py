@@ -81,6 +81,22 @@ __device__ inline void mlxspec_attn_load_tile(float* dst, const T* src, long lon
     }
 }
 
+// Running softmax state of a lane for QPW query vectors: max and sum (its keys' share), and
+// the unscaled output's EPL head dims.
+template <int QPW, int EPL>
+__device__ __forceinline__ void mlxspec_attn_init(float (&m)[QPW], float (&l)[QPW], float (&acc)[QPW][EPL]) {
+    const float NEG_INF = __int_as_float(0xff800000);
+    #pragma unroll
+    for (int t = 0; t < QPW; ++t) {
+        m[t] = NEG_INF;
+        l[t] = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            acc[t][e] = 0.0f;
+        }
+    }
+}
+
 // One 32-key tile's online-softmax step for one query vector: X is this lane's masked score.
 // Raises the running max M to the tile's, rescales the lane's share of the sum L and its
 // accumulators ACC by the change, and returns this lane's weight exp(x - max).
@@ -192,15 +208,7 @@ PARTIAL_BY_QUERIES = compact("""
     float m_run[QPW];
     float l_run[QPW];  // this lane's share of the sum (its keys); added across lanes at the end
     float acc[QPW][EPL];
-    #pragma unroll
-    for (int t = 0; t < QPW; ++t) {
-        m_run[t] = NEG_INF;
-        l_run[t] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            acc[t][e] = 0.0f;
-        }
-    }
+    mlxspec_attn_init<QPW, EPL>(m_run, l_run, acc);
     const T* k_src = keys + b * keys_strides[0] + kvh * keys_strides[1];
     const T* v_src = values + b * values_strides[0] + kvh * values_strides[1];
 
