@@ -29,10 +29,10 @@ from mlxspec.bench.synthetic import random_model, vocab_size
 from mlxspec.engine.batch_step import greedy_tokens
 
 
-def census(out: mx.array) -> collections.Counter:
-    """Primitives in OUT's graph, by name (``mx.export_to_dot``'s operation nodes)."""
+def census(*outs: mx.array) -> collections.Counter:
+    """Primitives in the graph of OUTS, by name (``mx.export_to_dot``'s operation nodes)."""
     dot = io.StringIO()
-    mx.export_to_dot(dot, out)
+    mx.export_to_dot(dot, *outs)
     labels = re.findall(r'\[label\s*=\s*"([^"]+)"', dot.getvalue())
     return collections.Counter(label.split()[0] for label in labels)
 

@@ -13,23 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
-import re
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.diag_op_census import census  # noqa: E402
 from mlxspec.bench.synthetic import random_model  # noqa: E402
 from mlxspec.engine.cache import ModelState  # noqa: E402
-
-
-def census(*outs: mx.array) -> collections.Counter:
-    """Primitives in the graph of OUTS, by name (``mx.export_to_dot``'s operation nodes)."""
-    dot = io.StringIO()
-    mx.export_to_dot(dot, *outs)
-    return collections.Counter(label.split()[0] for label in re.findall(r'\[label\s*=\s*"([^"]+)"', dot.getvalue()))
 
 
 def plain_step(model, keep_hidden: bool) -> collections.Counter:
