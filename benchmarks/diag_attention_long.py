@@ -31,9 +31,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_attention import HEADS  # noqa: E402
+from benchmarks.bench_attention import _theirs as _mlx  # noqa: E402
 from mlxspec.kernels import attention  # noqa: E402
-
-HEADS = {"qwen3-8b": (32, 8, 128), "qwen3.6-27b": (24, 4, 256)}
 
 
 def load_compare(path: str | None):
@@ -60,10 +60,6 @@ def _inputs(Hq, Hkv, D, L, S, seed=0):
     qs = [mx.random.normal((1, L, Hq, D)).astype(mx.bfloat16).transpose(0, 2, 1, 3) for _ in range(4)]
     mx.eval(k, v, qs)
     return qs, k, v
-
-
-def _mlx(q, k, v, scale, mask):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def time_calls(fn, qs, k, v, scale, mask, batch: int, calls: int) -> float:
