@@ -34,6 +34,7 @@ import functools
 
 import mlx.core as mx
 
+from .mma import MMA16816
 from .switch import compact, int_array, quantized_matmul_kernel, run_quantized_matmul
 
 BITS = 4
@@ -75,20 +76,7 @@ __device__ inline uint32_t x_pair(const uint32_t* xw, int p) {
     return __byte_perm(lo, hi, (p % 2) == 0 ? 0x5410 : 0x7632);
 }
 
-template <typename T> __device__ inline void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
-template <> __device__ inline void mma16816<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ inline void mma16816<__half>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-"""
+""" + MMA16816
 
 _SOURCE = """
     // x: [M, K]; w: [N, K / 8] uint32; scales, biases: [N, K / GS]; y: [M, N]
