@@ -10,11 +10,12 @@ Parts:
          difference from MLX's op (1 row: its decode kernel; more rows: its op in float32).
          ``--target-blocks 264,528`` also times other pass-1 block targets.
   model  a random 4-bit Qwen3-8B-shaped model, its cache prefilled in 2K-token chunks to each
-         of --contexts in turn, then waited forwards of 1, 2 and 4 tokens (kept: the cache grows)
+         of --contexts in turn, then waited forwards of --widths tokens (kept: the cache grows)
          with the kernel as shipped, with one-row attention on the kernel too ("one_row"),
          and with the compared kernel ("compare"), in interleaved rounds; median ms.
 
     python3 benchmarks/diag_attention_long.py --json out.json [--compare old_attention.py]
+    (``--tensor-core-vectors N``: pass 1 on tensor cores from N query vectors a KV head)
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def load_compare(path: str | None):
     if not path:
         return None
     text = Path(path).read_text().replace("from ..compat", "from mlxspec.compat").replace(
-        "from .attention_mask", "from mlxspec.kernels.attention_mask").replace(
-        "from .switch", "from mlxspec.kernels.switch")
+        "from .attention_", "from mlxspec.kernels.attention_").replace(
+        "from .switch", "from mlxspec.kernels.switch").replace("from . import", "from mlxspec.kernels import")
     spec = importlib.util.spec_from_loader("mlxspec_attention_compare", loader=None)
     module = importlib.util.module_from_spec(spec)
     exec(compile(text, path, "exec"), module.__dict__)
@@ -123,6 +124,7 @@ def variant(name: str, compare):
 
 
 def part_model(contexts, rounds: int, shape: str, compare, widths=(1, 2, 4)) -> list[dict]:
+    assert widths[0] == 1, "ratios are to the first width: 1"
     """At each context (ascending: the cache is prefilled on to the next), interleaved rounds
     of waited forwards per variant and width; the forwards' tokens stay in the cache."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -178,15 +180,22 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096,8192,16384,32768")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--shape", default="qwen3-8b", help="the model part's shape")
+    ap.add_argument("--widths", default="1,2,4", help="the model part's forward widths (tokens), 1 first")
+    ap.add_argument("--tensor-core-vectors", type=int, default=None,
+                    help="query vectors a KV head from which pass 1 runs on tensor cores (default: as shipped)")
     args = ap.parse_args()
     compare = load_compare(args.compare)
+    if args.tensor_core_vectors is not None:
+        attention.TENSOR_CORE_VECTORS = args.tensor_core_vectors
+        attention._plan.cache_clear()
     result = {"device": mx.device_info().get("device_name", str(mx.default_device())), "mlx": mx.__version__,
               "command": " ".join(sys.argv)}
     if "op" in args.parts:
         result["op"] = part_op([int(x) for x in args.lengths.split(",")], [int(x) for x in args.rows.split(",")],
                                args.batch, args.calls, compare, [int(x) for x in args.target_blocks.split(",")])
     if "model" in args.parts:
-        result["model"] = part_model([int(x) for x in args.contexts.split(",")], args.rounds, args.shape, compare)
+        result["model"] = part_model([int(x) for x in args.contexts.split(",")], args.rounds, args.shape, compare,
+                                     tuple(int(x) for x in args.widths.split(",")))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -22,7 +22,7 @@ from mlx_lm.models import gated_delta
 
 import gdn_grad  # tests/gdn_grad.py: the backward kernel, outside the package
 from mlxspec import kernels
-from mlxspec.kernels import attention, attention_source, gdn, qmm, qmm_tc
+from mlxspec.kernels import attention, attention_mma, attention_source, gdn, qmm, qmm_tc
 
 _CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half",
                mx.uint32: "uint32_t", mx.int32: "int32_t", mx.bool_: "bool"}
@@ -64,12 +64,14 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def _attention_units() -> list[str]:
-    """Every attention kernel variant: both splits with their query tiles, head sizes, float
-    types, mask kinds (additive masks in the queries' type and in float32)."""
+def _attention_units(splits=("queries", "keys")) -> list[str]:
+    """Every attention kernel variant of SPLITS: their query tiles, head sizes, float types
+    (tensor cores: bf16 and fp16), mask kinds (additive masks in the queries' type and in
+    float32); pass 2 with the CUDA-core splits."""
     units = []
     for D in attention.HEAD_DIMS:
-        tiles = [("queries", attention.QUERIES_PER_WARP)] + [("keys", t) for t in attention.KEY_SPLIT_TILES[D]]
+        tiles = {"queries": [attention.QUERIES_PER_WARP], "keys": attention.KEY_SPLIT_TILES[D],
+                 "mma": attention_mma.TILES}
         for dtype in attention.DTYPES:
             tname = _CUDA_TYPES[dtype].strip("_")
             for kind in attention_source.MASK_KINDS:
@@ -79,17 +81,22 @@ def _attention_units() -> list[str]:
                     if mtype is not None:
                         inputs.append(("mask", mtype))
                     assert [n for n, _ in inputs] == attention.partial_inputs(kind)
-                    for split, qpw in tiles:
-                        template = [("T", dtype), ("D", D), ("NW", attention.WARPS), ("QPW", qpw)]
-                        if kind == "add":
-                            template.append(("MaskT", mtype))
-                        name = f"attn_{split}_{kind}_{tname}_{D}_{_CUDA_TYPES[mtype or dtype].strip('_')}_{qpw}"
-                        units.append(_wrap(name, attention_source.partial_source(kind, split), inputs,
-                                           [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
-                                           template))
-            units.append(_wrap(f"attn_combine_{tname}_{D}", attention_source.COMBINE,
-                               [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
-                               [("out", dtype)], [("T", dtype), ("D", D)]))
+                    for split in splits:
+                        if split == "mma" and dtype not in attention.TENSOR_CORE_DTYPES:
+                            continue
+                        for qpw in tiles[split]:
+                            template = [("T", dtype), ("D", D), ("NW", attention.WARPS),
+                                        ("MT" if split == "mma" else "QPW", qpw)]
+                            if kind == "add":
+                                template.append(("MaskT", mtype))
+                            name = f"attn_{split}_{kind}_{tname}_{D}_{_CUDA_TYPES[mtype or dtype].strip('_')}_{qpw}"
+                            units.append(_wrap(name, attention_source.partial_source(kind, split), inputs,
+                                               [("part_o", mx.float32), ("part_m", mx.float32),
+                                                ("part_l", mx.float32)], template))
+            if "mma" not in splits:
+                units.append(_wrap(f"attn_combine_{tname}_{D}", attention_source.COMBINE,
+                                   [("part_o", mx.float32), ("part_m", mx.float32), ("part_l", mx.float32)],
+                                   [("out", dtype)], [("T", dtype), ("D", D)]))
     return units
 
 
@@ -129,6 +136,13 @@ def test_kernel_sources_compile_for_sm90(tmp_path):
     done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-Xcicc", "-O0",
                            "-o", str(tmp_path / "k.ptx"), str(cu)],
                           capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the tensor-core attention has its own header (its mma helper is also qmm_tc's)
+    cu_mma = tmp_path / "attention_mma.cu"
+    cu_mma.write_text(_PRELUDE + attention_mma.HEADER_MMA + "namespace mlx::core::cu {\n"
+                      + "\n".join(_attention_units(("mma",))) + "}\n")
+    done = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "--ptx", "-Xcicc", "-O0",
+                           "-o", str(tmp_path / "mma.ptx"), str(cu_mma)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -472,7 +486,7 @@ def test_one_row_attention_goes_to_the_kernel_only_over_long_caches(monkeypatch)
 def test_attention_chunks_cover_the_keys_once():
     for S in (1, 2, 31, 32, 33, 300, 512, 1000, 2049, 8191, 40000):
         for per_chunk in (1, 8, 24, 96, 264, 1000):
-            for tiles in (1, attention.WARPS):
+            for tiles in (1, 2, attention.WARPS):
                 n = attention.chunks(S, per_chunk, tiles)
                 length = -(-(-(-S // n)) // attention.TILE) * attention.TILE  # as the kernel computes it
                 assert n * length >= S and (n - 1) * length < S, (S, per_chunk)
@@ -487,6 +501,24 @@ def test_attention_splits_by_keys_for_few_query_vectors():
     assert attention.split_for(128, attention.KEY_SPLIT_VECTORS + 1) == ("queries", 8, 4 * 8)
     for split, qpw in (("keys", 16), ("queries", 8)):
         assert attention.shared_bytes(split, 256, qpw) <= 100 * 1024
+
+
+def test_attention_runs_on_tensor_cores_for_many_query_vectors_in_16_bit(monkeypatch):
+    first = attention.TENSOR_CORE_VECTORS
+    assert attention.split_for(128, first - 1, True)[0] != "mma"
+    assert attention.split_for(128, max(first, 17), True) == ("mma", 2, 32)  # 17..32: two m-tiles
+    assert attention.split_for(128, 36, True) == ("mma", 4, 64)  # the 8B's heads, a 9-row verify
+    assert attention.split_for(256, 96, True) == ("mma", 4, 64)  # the 27B's, 16 rows: two blocks
+    assert attention.split_for(128, 36, False) == ("queries", 8, 32)  # float32: no tensor cores
+    for D in attention.HEAD_DIMS:  # within an H100's 227 KB a block
+        assert attention.shared_bytes("mma", D, max(attention_mma.TILES)) <= 227 * 1024
+    # a block's chunk holds at least one 64-key tile (the mma plan asks for 2 tiles of 32)
+    monkeypatch.setattr(attention, "_partial_kernel", lambda *key: key)  # no CUDA here: the plan's choice
+    plan = attention._plan.__wrapped__  # uncached
+    kernel, template, _, tiles, grid_yz, _, _ = plan((1, 32, 9, 128), 8, mx.bfloat16, "causal", None)
+    assert kernel == ("causal", "mma", 128, 4) and ("MT", 4) in template and grid_yz == (1, 8)
+    assert tiles == attention_mma.TILE_KEYS // attention.TILE
+    assert plan((1, 32, 9, 128), 8, mx.float32, "causal", None)[0] == ("causal", "queries", 128, 8)
 
 
 def _tiny_qwen3():

@@ -23,7 +23,9 @@ sources compile, and that the fallback is mlx-lm's path).
   transposed and a misaligned layout, read element by element). Fully masked rows give the
   values' mean (bool) or zeros (all -inf), never NaN. A step costs the same at every key
   length (no per-shape rebuild), and a qwen3 model's 4-token step over a cache gives the same
-  logits with the kernel as with MLXSPEC_KERNELS=0.
+  logits with the kernel as with MLXSPEC_KERNELS=0. Pass 1 on tensor cores (bf16 and fp16, 17 or
+  more query vectors a KV head, or from 1 vector with ``tensor_cores_from_one_vector``) is held
+  to the same references at 1, 2 and 4 m-tiles a block, every mask kind and head size.
 """
 
 import statistics
@@ -389,6 +391,8 @@ def test_verify_attention_rows_heads_masks(L, D, kind):
     (24, 4, 256, 1, 33000),   # the 27B's: 6 vectors, a tile of 8
     (24, 4, 256, 4, 5000),    # 24 vectors: three tiles
     (64, 8, 64, 3, 4097),     # 24 vectors over head_dim 64
+    (32, 8, 128, 9, 33000),   # 36 vectors: on tensor cores, four m-tiles (an 8B depth-8 verify)
+    (24, 4, 256, 16, 20000),  # 96 vectors: two blocks of four m-tiles
 ])
 def test_verify_attention_long_caches(Hq, Hkv, D, L, S):
     _check_attention(1, Hq, Hkv, L, S, D, mx.bfloat16, "causal" if L > 1 else None)
@@ -414,9 +418,10 @@ def test_verify_attention_batch(kind):
     _check_attention(3, 8, 2, 5, 70, 128, mx.bfloat16, kind)
 
 
-def test_verify_attention_reads_any_kv_layout():
+@pytest.mark.parametrize("L", [4, 8])  # 16 query vectors a KV head; 32: on tensor cores in bf16
+def test_verify_attention_reads_any_kv_layout(L):
     mx.random.seed(1)
-    B, Hq, Hkv, L, S, D = 1, 8, 2, 4, 100, 64
+    B, Hq, Hkv, S, D = 1, 8, 2, 100, 64
     layouts = {  # K and V made in their dtype, then viewed: the kernel gets the views as they are
         "contiguous": lambda dt: mx.random.normal((B, Hkv, S, D)).astype(dt),
         "transposed": lambda dt: mx.random.normal((B, Hkv, D, S)).astype(dt).swapaxes(-1, -2),  # dims S apart
@@ -443,6 +448,37 @@ def test_verify_attention_fully_masked_rows_are_not_nan():
     got = attention.verify_attention(q, k, v, 0.125, additive)
     assert not np.isnan(np.array(got)).any() and not np.array(got[:, :, 1]).any()  # zeros
     _close(got[:, :, ::2], _attn_reference(q, k, v, 0.125, additive)[:, :, ::2], 1e-4)
+
+
+def test_verify_attention_fully_masked_rows_on_tensor_cores():
+    q, k, v = _attn_inputs(1, 16, 2, 3, 90, 64, mx.bfloat16)  # 24 query vectors a KV head
+    assert attention.split_for(64, 24, True)[0] == "mma"
+    keep = mx.ones((3, 90), mx.bool_)
+    keep[1] = False
+    got = attention.verify_attention(q, k, v, 0.125, keep)
+    _close(got, _attn_reference(q, k, v, 0.125, keep), ATTN_TOL[mx.bfloat16][0])
+    got = attention.verify_attention(q, k, v, 0.125, mx.where(keep, 0.0, -float("inf")).astype(mx.bfloat16))
+    assert not np.isnan(np.array(got.astype(mx.float32))).any() and not np.array(got[:, :, 1].astype(mx.float32)).any()
+
+
+@pytest.fixture
+def tensor_cores_from_one_vector(monkeypatch):
+    """Pass 1 on tensor cores for every query-vector count (plans made before are dropped)."""
+    attention._plan.cache_clear()
+    monkeypatch.setattr(attention, "TENSOR_CORE_VECTORS", 1)
+    yield
+    attention._plan.cache_clear()
+
+
+@pytest.mark.parametrize("kind", [None, "causal", "bool", "add"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("L,S", [(1, 300), (3, 61), (8, 300), (16, 5000)])  # 4, 12, 32, 64 vectors
+def test_verify_attention_on_tensor_cores_at_every_tile(tensor_cores_from_one_vector, L, S, D, kind):
+    """m-tiles 1, 2 and 4 a block (1: four warps split each tile's keys and merge), one chunk
+    shorter than a tile and many chunks, every mask kind, in bf16 and fp16."""
+    assert attention.split_for(D, 4 * L, True)[0] == "mma"
+    for dtype in (mx.bfloat16, mx.float16):
+        _check_attention(1, 16, 4, L, S, D, dtype, kind)
 
 
 def test_verify_attention_costs_the_same_at_every_key_length():

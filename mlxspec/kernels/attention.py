@@ -14,6 +14,8 @@ G = Hq / Hkv query heads that share the KV head, so each key and value is read f
 for all of them. Its warps split the keys while a KV head has at most KEY_SPLIT_VECTORS query
 vectors (plain decoding, narrow verifies: no barrier inside the loop, the keys read straight
 into registers), and split the query vectors above that (a staged tile of keys serves many).
+From TENSOR_CORE_VECTORS query vectors in bf16 or fp16, pass 1 runs on tensor cores instead
+(``attention_mma.py``: 16 query vectors a warp, 64-key tiles staged with ``cp.async``).
 Pass 2: one warp per (batch, query head, row) rescales and adds the chunks and writes the
 output in the queries' dtype.
 
@@ -37,6 +39,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as _base
 
 from ..compat import rebind
+from . import attention_mma
 from .attention_mask import DTYPES, kernel_mask, mask_kind
 from .attention_source import COMBINE, HEADER, partial_source
 from .switch import active
@@ -63,6 +66,13 @@ KEY_SPLIT_VECTORS = 16
 # 8 or 16 for head dims up to 128, 8 for 256 (16 would spill).
 KEY_SPLIT_TILES = {64: (8, 16), 128: (8, 16), 256: (8,)}
 QUERIES_PER_WARP = 8  # split by queries: each warp's vectors; a block holds WARPS x 8
+# Query vectors a KV head from which pass 1 runs on tensor cores (bf16 and fp16 only; float32
+# keeps the splits above), 16 x 1, 2 or 4 vectors a block. Timed on an H200 (docs/benchmarks.md)
+# from 8 vectors (2 rows of the 8B's heads) to 96: at 32K keys 0.066 ms for 8 vectors against
+# 0.157 split by keys, 0.153 for 36 against 0.477 split by queries. Fewer than 8 (one row of
+# GQA 4) were not timed and keep the keys split.
+TENSOR_CORE_VECTORS = 8
+TENSOR_CORE_DTYPES = (mx.bfloat16, mx.float16)
 # Pass-1 blocks to aim for: about two per SM of a 132-SM GPU. Fewer chunks leave SMs idle
 # at short key lengths; more only add partial outputs for pass 2 to read.
 TARGET_BLOCKS = 264
@@ -75,14 +85,21 @@ def partial_inputs(mask_kind: str) -> list[str]:
 def shared_bytes(split: str, head_dim: int, qpw: int) -> int:
     """Pass 1's dynamic shared memory. By queries: the scaled queries, one tile of keys or
     values (as float), the weights. By keys: the scaled queries and each warp's weights for a
-    tile, then (the same space) each warp's outputs, maxima and sums."""
+    tile, then (the same space) each warp's outputs, maxima and sums. On tensor cores (QPW:
+    its m-tiles): :func:`.attention_mma.shared_bytes`."""
+    if split == "mma":
+        return attention_mma.shared_bytes(head_dim, qpw)
     if split == "queries":
         return 4 * (WARPS * qpw * head_dim + TILE * (head_dim + 4) + WARPS * qpw * TILE)
     return 4 * max(qpw * head_dim + WARPS * qpw * TILE, WARPS * qpw * (head_dim + 2))
 
 
-def split_for(head_dim: int, vectors: int) -> tuple[str, int, int]:
-    """How pass 1 takes VECTORS query vectors a KV head: (split, QPW, query vectors a block)."""
+def split_for(head_dim: int, vectors: int, tensor_cores: bool = False) -> tuple[str, int, int]:
+    """How pass 1 takes VECTORS query vectors a KV head: (split, QPW or m-tiles, query vectors
+    a block); TENSOR_CORES: the dtype has them (bf16, fp16)."""
+    if tensor_cores and vectors >= TENSOR_CORE_VECTORS:
+        tiles = attention_mma.m_tiles_for(vectors)
+        return "mma", tiles, 16 * tiles
     if vectors > KEY_SPLIT_VECTORS:
         return "queries", QUERIES_PER_WARP, WARPS * QUERIES_PER_WARP
     tiles = KEY_SPLIT_TILES[head_dim]
@@ -95,7 +112,8 @@ def _partial_kernel(mask_kind: str, split: str, head_dim: int, qpw: int):
     # One kernel object per split, head size and query tile: its shared memory is fixed at construction.
     return mx.fast.cuda_kernel(
         name=f"mlxspec_attn_partial_{split}_{mask_kind}", input_names=partial_inputs(mask_kind),
-        output_names=["part_o", "part_m", "part_l"], header=HEADER, source=partial_source(mask_kind, split),
+        output_names=["part_o", "part_m", "part_l"], header=attention_mma.HEADER_MMA if split == "mma" else HEADER,
+        source=partial_source(mask_kind, split),
         ensure_row_contiguous=False,  # the cache's K/V views are read in place
         shared_memory=shared_bytes(split, head_dim, qpw))
 
@@ -155,14 +173,15 @@ def _plan(qs: tuple, Hkv: int, dtype, mask: str | None, mask_dtype) -> tuple:
     B, Hq, L, D = qs
     kind = mask or ("none" if mask_dtype is None else "bool" if mask_dtype == mx.bool_ else "add")
     vectors = Hq // Hkv * L
-    split, qpw, per_block = split_for(D, vectors)
-    template = [("T", dtype), ("D", D), ("NW", WARPS), ("QPW", qpw)]
+    split, qpw, per_block = split_for(D, vectors, dtype in TENSOR_CORE_DTYPES)
+    template = [("T", dtype), ("D", D), ("NW", WARPS), ("MT" if split == "mma" else "QPW", qpw)]
     if kind == "add":
         template.append(("MaskT", mask_dtype))
     q_tiles = -(-vectors // per_block)
     rows = B * Hq * L
     combine = {"template": [("T", dtype), ("D", D)], "grid": (32 * rows, 1, 1), "threadgroup": (128, 1, 1)}
-    return (_partial_kernel(kind, split, D, qpw), template, q_tiles * B * Hkv, WARPS if split == "keys" else 1,
+    tiles = {"keys": WARPS, "mma": attention_mma.TILE_KEYS // TILE}.get(split, 1)
+    return (_partial_kernel(kind, split, D, qpw), template, q_tiles * B * Hkv, tiles,
             (q_tiles, B * Hkv), rows, combine)
 
 

@@ -1,8 +1,8 @@
 """The CUDA sources of the verify attention kernel (``attention.py`` plans and launches them).
 
-Pass 1 comes in two variants with one output layout (a partial softmax state per key chunk
-and query vector); both read each key and value of a chunk once for every query vector of
-their tile:
+Pass 1 comes in three variants with one output layout (a partial softmax state per key chunk
+and query vector); each reads each key and value of a chunk once for every query vector of
+its tile:
 - by queries (here): a block of NW warps stages each 32-key tile of its chunk in shared memory
   (as float); every warp scores the tile against its own QPW query vectors. Many query
   vectors (a wide verify over GQA heads) share each staged tile.
@@ -10,10 +10,14 @@ their tile:
   into registers and scores them against all of the block's query vectors, with no barrier
   inside the loop; the block merges its warps' states at the end. Faster while the query
   vectors are few (plain decoding, narrow verifies), slower when there are many.
+- on tensor cores (``attention_mma.py``, bf16 and fp16): a block stages 64-key tiles of its
+  chunk and its warps score and weigh them with ``mma.sync``, 16 query vectors a warp; for
+  many query vectors, where the two above run on the CUDA cores.
 Pass 2 (COMBINE) rescales and adds the chunks.
 """
 
 from .attention_keys import PARTIAL_BY_KEYS
+from .attention_mma import PARTIAL_BY_MMA
 from .switch import compact
 
 HEADER = compact("""
@@ -293,27 +297,31 @@ PARTIAL_BY_QUERIES = compact("""
     }
 """)
 
-# How a score is masked, per kind: x is the scaled score of key kj = k0 + lane for query vector
-# rg (by queries: q0 + warp + NW * t; by keys: q0 + t), row i of query head h. A masked score is
-# -FLT_MAX (MLX's finfo.min).
-_ROWS = {"queries": "const int rg = q0 + warp + NW * t; const int g = rg / L; const int i = rg - g * L;",
-         "keys": "const int rg = q0 + t; const int g = rg / L; const int i = rg - g * L;"}
+# How a score is masked, per kind: x is the scaled score of key kj (by queries and by keys:
+# k0 + lane) for query vector rg (by queries: q0 + warp + NW * t; by keys: q0 + t; on tensor
+# cores: the lane's row h), row i of query head g of the KV head. A masked score is -FLT_MAX
+# (MLX's finfo.min).
+_ROWS = {"queries": "const int rg = q0 + warp + NW * t; const int g = rg / L; const int i = rg - g * L;"
+                      " const int kj = k0 + lane;",
+         "keys": "const int rg = q0 + t; const int g = rg / L; const int i = rg - g * L; const int kj = k0 + lane;",
+         "mma": "const int rg = rq[h]; const int g = rg / L; const int i = rg - g * L;"}
 _MASK_AT = ("mask[b * mask_strides[0] + (kvh * G + g) * mask_strides[1] + i * mask_strides[2]"
-            " + (long long)(k0 + lane) * mask_strides[3]]")
+            " + (long long)kj * mask_strides[3]]")
 _MASK_APPLY = {
     "none": "",
     # bottom-right aligned, as MLX's "causal": row i sees keys kj <= S - L + i
-    "causal": " if (k0 + lane > S - L + i) { x = -3.402823466e+38f; }",
+    "causal": " if (kj > S - L + i) { x = -3.402823466e+38f; }",
     "bool": f" if (!{_MASK_AT}) {{ x = -3.402823466e+38f; }}",
     "add": f" x += static_cast<float>({_MASK_AT});",
 }
 MASK_KINDS = tuple(_MASK_APPLY)
-SPLITS = ("queries", "keys")
+SPLITS = ("queries", "keys", "mma")
 
 
 def partial_source(mask_kind: str, split: str) -> str:
-    """Pass 1's body for a mask kind, its warps splitting the query vectors or the keys."""
-    body = PARTIAL_BY_QUERIES if split == "queries" else PARTIAL_BY_KEYS
+    """Pass 1's body for a mask kind, its warps splitting the query vectors or the keys, or on
+    tensor cores."""
+    body = {"queries": PARTIAL_BY_QUERIES, "keys": PARTIAL_BY_KEYS, "mma": PARTIAL_BY_MMA}[split]
     apply = _MASK_APPLY[mask_kind]
     return body.replace("MASK_APPLY", _ROWS[split] + apply if apply else "")
 
