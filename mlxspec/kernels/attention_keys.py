@@ -25,14 +25,8 @@ PARTIAL_BY_KEYS = compact("""
     const float NEG_INF = __int_as_float(0xff800000);
     extern __shared__ float4 mlxspec_attn_smem[];
 
-    const int Hq = queries_shape[1];
-    const int L = queries_shape[2];
-    const int Hkv = keys_shape[1];
-    const int S = keys_shape[2];
-    const int G = Hq / Hkv;
-    const int R = G * L;  // query vectors per KV head: row i of head kvh * G + g is g * L + i
-    const int n_chunks = gridDim.x;
-    const int chunk = blockIdx.x;
+    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: attention_source.py
+    KV_HEAD_SHAPES
     const int q0 = blockIdx.y * QPW;
     const int nq = min(QPW, R - q0);
     const int b = blockIdx.z / Hkv;

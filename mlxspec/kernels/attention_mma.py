@@ -104,14 +104,8 @@ PARTIAL_BY_MMA = compact("""
     T* q_s = reinterpret_cast<T*>(mlxspec_attn_smem);  // [16 MT][ROW] queries
     T* kv_s = q_s + 16 * MT * ROW;                     // [2 stages][keys, values][TK][ROW]
 
-    const int Hq = queries_shape[1];
-    const int L = queries_shape[2];
-    const int Hkv = keys_shape[1];
-    const int S = keys_shape[2];
-    const int G = Hq / Hkv;
-    const int R = G * L;  // query vectors per KV head: row i of head kvh * G + g is g * L + i
-    const int n_chunks = gridDim.x;
-    const int chunk = blockIdx.x;
+    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: attention_source.py
+    KV_HEAD_SHAPES
     const int q0 = blockIdx.y * 16 * MT;
     const int b = blockIdx.z / Hkv;
     const int kvh = blockIdx.z - b * Hkv;

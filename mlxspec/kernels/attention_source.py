@@ -174,14 +174,8 @@ PARTIAL_BY_QUERIES = compact("""
     float* kv_s = q_s + RT * D;                                 // [TK][ROW]: keys, then values
     float* p_s = kv_s + TK * ROW;                               // [NW][QPW][TK] weights
 
-    const int Hq = queries_shape[1];
-    const int L = queries_shape[2];
-    const int Hkv = keys_shape[1];
-    const int S = keys_shape[2];
-    const int G = Hq / Hkv;
-    const int R = G * L;  // query vectors per KV head: row i of head kvh * G + g is g * L + i
-    const int n_chunks = gridDim.x;
-    const int chunk = blockIdx.x;
+    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: _KV_HEAD_SHAPES below
+    KV_HEAD_SHAPES
     const int q0 = blockIdx.y * RT;
     const int b = blockIdx.z / Hkv;
     const int kvh = blockIdx.z - b * Hkv;
@@ -318,12 +312,26 @@ MASK_KINDS = tuple(_MASK_APPLY)
 SPLITS = ("queries", "keys", "mma")
 
 
+# What every pass 1 reads off its call first (KV_HEAD_SHAPES in their sources): the shapes, the
+# query vectors a KV head, and the block's key chunk.
+_KV_HEAD_SHAPES = compact("""
+    const int Hq = queries_shape[1];
+    const int L = queries_shape[2];
+    const int Hkv = keys_shape[1];
+    const int S = keys_shape[2];
+    const int G = Hq / Hkv;
+    const int R = G * L;  // query vectors per KV head: row i of head kvh * G + g is g * L + i
+    const int n_chunks = gridDim.x;
+    const int chunk = blockIdx.x;
+""").rstrip("\n")
+
+
 def partial_source(mask_kind: str, split: str) -> str:
     """Pass 1's body for a mask kind, its warps splitting the query vectors or the keys, or on
     tensor cores."""
     body = {"queries": PARTIAL_BY_QUERIES, "keys": PARTIAL_BY_KEYS, "mma": PARTIAL_BY_MMA}[split]
     apply = _MASK_APPLY[mask_kind]
-    return body.replace("MASK_APPLY", _ROWS[split] + apply if apply else "")
+    return body.replace("KV_HEAD_SHAPES", _KV_HEAD_SHAPES).replace("MASK_APPLY", _ROWS[split] + apply if apply else "")
 
 
 # Pass 2. part_o [rows, chunks, D], part_m / part_l [rows, chunks] -> out [rows, D]; a warp a row.
