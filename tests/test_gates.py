@@ -266,6 +266,61 @@ def test_lookup_index_matches_brute_force():
         tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
 
 
+def _walk_index(tokens: list[int], max_ngram: int, min_ngram: int, paths: int):
+    """The lookup index as a walk over every end position and n builds it: (latest end of each
+    n-gram, up to PATHS earlier ends, oldest first)."""
+    index, earlier = {}, {}
+    for i in range(len(tokens) - 1):
+        for n in range(min_ngram, max_ngram + 1):
+            if i + 1 >= n:
+                gram = tuple(tokens[i + 1 - n : i + 1])
+                if gram in index:
+                    earlier[gram] = (earlier.get(gram, []) + [index[gram]])[-paths:]
+                index[gram] = i
+    return index, earlier
+
+
+@pytest.mark.parametrize("vocab", [3, 40, 5000])
+def test_lookup_index_in_spans_equals_the_walk(vocab):
+    """Caught up in spans of any size (a prompt's prefill chunks, then 1-9 tokens a step), the
+    index and its earlier ends are exactly the walk's, whatever repeats."""
+    rng = random.Random(vocab)
+    d = PromptLookupDrafter(max_ngram=4, min_ngram=1)
+    tokens = [rng.randrange(vocab) for _ in range(700)]
+    d.start(tokens)
+    for upto in (1, 2, 300, 301, 700):  # prefill chunks
+        d.prefill(tokens, upto)
+    assert d._indexed == 699
+    for _ in range(60):
+        tokens.extend(rng.randrange(vocab) for _ in range(rng.randrange(1, 10)))
+        d.lookup(tokens, 3)
+        assert (d._index, d._earlier) == _walk_index(tokens, 4, 1, d.PATHS)
+        assert d._indexed == len(tokens) - 1
+
+
+def test_the_prompt_is_indexed_during_prefill_not_in_the_first_step(looping_llama, monkeypatch):
+    """A long prompt's n-grams go into the lookup index chunk by chunk as the target prefills
+    it; a decoding step then indexes only the tokens committed since (at 32K tokens the first
+    step waited about 40 ms for the whole prompt)."""
+    model, _ = looping_llama
+    prompt = [(7 * i) % 97 + 3 for i in range(300)]
+    drafter = PromptLookupDrafter()
+    spans = []  # (tokens seen, positions this call indexes)
+    walk = PromptLookupDrafter._catch_up
+
+    def recorded(self, tokens):
+        spans.append((len(tokens), max(0, len(tokens) - 1 - self._indexed)))
+        walk(self, tokens)
+
+    monkeypatch.setattr(PromptLookupDrafter, "_catch_up", recorded)
+    for _ in SpeculativeDecoder(model, drafter=drafter, depth=4, gates=False).generate(
+            prompt, max_tokens=20, prefill_step=64):
+        pass
+    during_prefill = [n for seen, n in spans if seen < len(prompt)]
+    assert len(during_prefill) >= 4 and sum(during_prefill) == len(prompt) - 2
+    assert max(n for seen, n in spans if seen > len(prompt)) <= 5  # at most a step's tokens
+
+
 def test_lookup_prefers_longest_then_most_recent():
     d = PromptLookupDrafter(max_ngram=3, min_ngram=1)
     tokens = [1, 2, 3, 9, 9, 5, 3, 7, 7, 1, 2, 3]
