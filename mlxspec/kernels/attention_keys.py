@@ -25,18 +25,12 @@ PARTIAL_BY_KEYS = compact("""
     const float NEG_INF = __int_as_float(0xff800000);
     extern __shared__ float4 mlxspec_attn_smem[];
 
-    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: attention_source.py
-    KV_HEAD_SHAPES
+    KV_HEAD_SHAPES  // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk (snippets:
+                    // attention_source.py)
     const int q0 = blockIdx.y * QPW;
     const int nq = min(QPW, R - q0);
-    const int b = blockIdx.z / Hkv;
-    const int kvh = blockIdx.z - b * Hkv;
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int chunk_len = ((S + n_chunks - 1) / n_chunks + TK - 1) / TK * TK;
-    const int k_begin = chunk * chunk_len;
-    const int k_end = min(S, k_begin + chunk_len);  // k_begin >= k_end: an empty chunk, m = -inf
+    BLOCK_THREAD  // b, kvh, tid, warp, lane
+    KEY_CHUNK  // chunk_len, k_begin, k_end
     const float sc = scale[0];
     // While the keys are read: [QPW][D] scaled queries, then each warp's [QPW][TK] weights.
     // After: each warp's [QPW][D] outputs, then its [QPW] maxima and sums.

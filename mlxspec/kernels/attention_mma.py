@@ -91,7 +91,7 @@ __device__ inline void mlxspec_mma_tile(T* dst, const T* src, long long s_stride
 """)
 
 PARTIAL_BY_MMA = compact("""
-    constexpr int TK = 64;                 // keys a block stages at once
+    constexpr int TK = TILE_KEYS;          // keys a block stages at once
     constexpr int ROW = D + 8;             // padded row (halves): ldmatrix rows 16 bytes apart skip banks
     constexpr int THREADS = NW * 32;
     constexpr int KG = NW / MT;            // warps sharing an m-tile, each its own keys of a tile
@@ -104,22 +104,16 @@ PARTIAL_BY_MMA = compact("""
     T* q_s = reinterpret_cast<T*>(mlxspec_attn_smem);  // [16 MT][ROW] queries
     T* kv_s = q_s + 16 * MT * ROW;                     // [2 stages][keys, values][TK][ROW]
 
-    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: attention_source.py
-    KV_HEAD_SHAPES
+    KV_HEAD_SHAPES  // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk (snippets:
+                    // attention_source.py)
     const int q0 = blockIdx.y * 16 * MT;
-    const int b = blockIdx.z / Hkv;
-    const int kvh = blockIdx.z - b * Hkv;
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
+    BLOCK_THREAD  // b, kvh, tid, warp, lane
     const int grp = lane / 4;              // mma group: rows grp and grp + 8, key / dim column grp
     const int tig = lane % 4;              // lane in group: columns 2 tig, 2 tig + 1
     const int mt = warp % MT;
     const int kgw = warp / MT;
     const bool busy = q0 + 16 * mt < R;    // the m-tile holds a query vector
-    const int chunk_len = ((S + n_chunks - 1) / n_chunks + 31) / 32 * 32;
-    const int k_begin = chunk * chunk_len;
-    const int k_end = min(S, k_begin + chunk_len);  // k_begin >= k_end: an empty chunk, m = -inf
+    KEY_CHUNK  // chunk_len, k_begin, k_end
     const float sc = scale[0];
 
     for (int e = tid; e < 16 * MT * D; e += THREADS) {
@@ -335,7 +329,7 @@ PARTIAL_BY_MMA = compact("""
             }
         }
     }
-""")
+""").replace("TILE_KEYS", str(TILE_KEYS))
 
 
 def shared_bytes(head_dim: int, m_tiles: int) -> int:

@@ -174,17 +174,11 @@ PARTIAL_BY_QUERIES = compact("""
     float* kv_s = q_s + RT * D;                                 // [TK][ROW]: keys, then values
     float* p_s = kv_s + TK * ROW;                               // [NW][QPW][TK] weights
 
-    // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk: _KV_HEAD_SHAPES below
-    KV_HEAD_SHAPES
+    KV_HEAD_SHAPES  // Hq, L, Hkv, S, G, R (query vectors a KV head), n_chunks, chunk (snippets:
+                    // attention_source.py)
     const int q0 = blockIdx.y * RT;
-    const int b = blockIdx.z / Hkv;
-    const int kvh = blockIdx.z - b * Hkv;
-    const int tid = threadIdx.x;
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    const int chunk_len = ((S + n_chunks - 1) / n_chunks + TK - 1) / TK * TK;
-    const int k_begin = chunk * chunk_len;
-    const int k_end = min(S, k_begin + chunk_len);  // k_begin >= k_end: an empty chunk, m = -inf
+    BLOCK_THREAD  // b, kvh, tid, warp, lane
+    KEY_CHUNK  // chunk_len, k_begin, k_end
     // this warp's query vectors: q0 + warp + NW * t for t < nq (the same on all its lanes)
     const int nq = max(0, min(QPW, (R - q0 - warp + NW - 1) / NW));
     const float sc = scale[0];
@@ -312,8 +306,8 @@ MASK_KINDS = tuple(_MASK_APPLY)
 SPLITS = ("queries", "keys", "mma")
 
 
-# What every pass 1 reads off its call first (KV_HEAD_SHAPES in their sources): the shapes, the
-# query vectors a KV head, and the block's key chunk.
+# Snippets every pass 1 shares, put in for their names in the sources. KV_HEAD_SHAPES: the
+# call's shapes, the query vectors a KV head, the chunk count and this block's chunk.
 _KV_HEAD_SHAPES = compact("""
     const int Hq = queries_shape[1];
     const int L = queries_shape[2];
@@ -326,12 +320,30 @@ _KV_HEAD_SHAPES = compact("""
 """).rstrip("\n")
 
 
+# BLOCK_THREAD: the block's batch row and KV head, the thread's warp and lane.
+_BLOCK_THREAD = compact("""
+    const int b = blockIdx.z / Hkv;
+    const int kvh = blockIdx.z - b * Hkv;
+    const int tid = threadIdx.x;
+    const int warp = tid / 32;
+    const int lane = tid % 32;
+""").rstrip("\n")
+# KEY_CHUNK: the block's keys [k_begin, k_end), in whole 32-key tiles (attention.TILE), the
+# split attention.chunks plans.
+_KEY_CHUNK = compact("""
+    const int chunk_len = ((S + n_chunks - 1) / n_chunks + 31) / 32 * 32;
+    const int k_begin = chunk * chunk_len;
+    const int k_end = min(S, k_begin + chunk_len);  // k_begin >= k_end: an empty chunk, m = -inf
+""").rstrip("\n")
+
+
 def partial_source(mask_kind: str, split: str) -> str:
     """Pass 1's body for a mask kind, its warps splitting the query vectors or the keys, or on
     tensor cores."""
     body = {"queries": PARTIAL_BY_QUERIES, "keys": PARTIAL_BY_KEYS, "mma": PARTIAL_BY_MMA}[split]
     apply = _MASK_APPLY[mask_kind]
-    return body.replace("KV_HEAD_SHAPES", _KV_HEAD_SHAPES).replace("MASK_APPLY", _ROWS[split] + apply if apply else "")
+    body = body.replace("KV_HEAD_SHAPES", _KV_HEAD_SHAPES).replace("BLOCK_THREAD", _BLOCK_THREAD)
+    return body.replace("KEY_CHUNK", _KEY_CHUNK).replace("MASK_APPLY", _ROWS[split] + apply if apply else "")
 
 
 # Pass 2. part_o [rows, chunks, D], part_m / part_l [rows, chunks] -> out [rows, D]; a warp a row.
