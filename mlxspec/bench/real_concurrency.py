@@ -124,8 +124,11 @@ class ConcurrencyBench:
     def follow(self, workload: str) -> None:
         import mlx.core as mx
 
+        from ..engine.compiled_forward import CompiledForward
+
         if self._following != workload:
             self.logits.follow = mx.array(self.tables[workload], mx.int32)
+            CompiledForward.of(self.model).forget()  # its graphs hold the last table
             if self.stock is not None:
                 self.stock.follow(self.tables[workload])
             self._following = workload

@@ -175,6 +175,7 @@ class ShapeBench:
         self.target_nbytes = model_nbytes(self.model)
         self.scripts = {w: make_script(w, vocab, prompt_tokens, max_tokens, seed) for w in workloads}
         self.target_logits = ScriptedLogits(self.model, [0])
+        self._scripted = None  # the script whose tables the scripted logits hold
         self.draft_logits = ScriptedLogits(self.draft, [0]) if self.draft is not None else None
         self.cost = run_costs(self.model, vocab, prompt_tokens + max_tokens, lambda what: say(f"{shape}: {what}"))
         say(f"{shape}: timing forwards over a growing cache")
@@ -241,10 +242,16 @@ class ShapeBench:
     def run(self, cell: Cell, max_tokens: int | None = None) -> Run:
         import mlx.core as mx
 
+        from ..engine.compiled_forward import CompiledForward
+
         script = self.scripts[cell.workload]
-        self.target_logits.table = mx.array(script.target, mx.int32)
-        if self.draft_logits is not None:
-            self.draft_logits.table = mx.array(script.drafted, mx.int32)
+        if self._scripted is not script:  # compiled verifies hold the tables they were traced with
+            self.target_logits.table = mx.array(script.target, mx.int32)
+            CompiledForward.of(self.model).forget()
+            if self.draft_logits is not None:
+                self.draft_logits.table = mx.array(script.drafted, mx.int32)
+                CompiledForward.of(self.draft).forget()
+            self._scripted = script
         n = max_tokens or self.max_tokens
         seed = self.seed if cell.temperature > 0 else None
         if cell.engine in STOCK_ENGINES:

@@ -16,10 +16,12 @@ from ..compat import sharding_group, swap_class
 HOT = 30.0  # the scripted token's logit over 0 elsewhere: one-hot even at temperature 0.7
 
 
-def cache_offset(cache) -> int:
+def cache_offset(cache) -> int | mx.array:
+    """Where the forward on CACHE starts: an int, or inside a compiled graph (one row's cache
+    whose end is an array, ``engine/compiled_forward.py``) that (1,) array."""
     for c in cache or ():
         offset = getattr(c, "offset", None)
-        if isinstance(offset, int):
+        if isinstance(offset, int) or (isinstance(offset, mx.array) and offset.size == 1):
             return offset
     return 0
 

@@ -22,6 +22,7 @@ from ..errors import DrafterError
 from ..models.gdn_tape import tape_layers
 from ..models.layer_capture import LayerCapture
 from ..models.trunk import split_trunk
+from . import compiled_forward
 
 
 def cache_leaves(cache) -> list:
@@ -177,6 +178,11 @@ class ModelState:
         # Qwen3.5-style GatedDeltaNet layers record their recurrence inputs during a verify, so
         # a partial accept replays m recurrence steps instead of re-running the model.
         self._taped = tape_layers(model, self.cache) if self._arrays else None
+        # Verifies of an attention-only target run as one compiled graph a (width, capacity):
+        # on CUDA a verify's host time is most of its cost (compiled_forward.py). Layer hooks
+        # (a capture) run only while a graph is traced, so a capturing state never compiles.
+        compiles = self._capture is None and compiled_forward.compiles_rows(self.cache)
+        self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
         self.length = 0
         self._segments: list[_Segment] = []
 
@@ -263,12 +269,23 @@ class ModelState:
         taping = rollback and self._taped is not None and tokens.shape[0] > 1
         for c in self._arrays if taping else ():
             c.record_tape = True
-        logits = self.feed(tokens)
+        logits = self._verify(tokens) if self._compiles(tokens.shape[0]) else self.feed(tokens)
         if taping:
             seg.tapes = [c.tape for c in self._arrays]
             for c in self._arrays:
                 c.record_tape, c.tape = False, None
         self.length += tokens.shape[0]
+        return logits
+
+    def _compiles(self, n: int) -> bool:
+        return (self._compiled is not None and compiled_forward.row_verify and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
+                and self.cache[0].keys is not None)
+
+    def _verify(self, tokens: mx.array) -> mx.array:
+        """``feed`` of a verify's tokens through the compiled graph: the same logits and hidden rows."""
+        logits, hidden = self._compiled.row(tokens, self.cache, self._trunk)
+        if self._trunk is not None:
+            self.hidden = hidden
         return logits
 
     def feed(self, tokens: mx.array) -> mx.array:

@@ -1,0 +1,167 @@
+"""A single request's verify replayed from one compiled graph (``CompiledForward.row``, what
+``ModelState.forward`` runs for 2..MAX_ROW_WIDTH tokens over an attention-only target) gives the
+logits and hidden rows of the same forward built op by op, bit for bit in fp32 on the CPU:
+through random runs of widths 1..9, rollbacks by any amount and caches crossing their
+256-position steps. It runs only where it applies, the speculative loop uses it and stays
+exact, and a graph that writes one position late is caught."""
+
+import random
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx_lm.models import llama
+
+from mlxspec.bench.script import make_script
+from mlxspec.bench.scripted import ScriptedLogits
+from mlxspec.bench.synthetic import random_model
+from mlxspec.engine import compiled_forward
+from mlxspec.engine.cache import ModelState
+from mlxspec.engine.compiled_forward import CompiledForward
+from mlxspec.engine.drafters.pld import PromptLookupDrafter
+from mlxspec.engine.sampling import SamplingParams
+from mlxspec.engine.speculate import SpeculativeDecoder
+
+VOCAB = 50
+
+
+@pytest.fixture(scope="module")
+def model():
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=3, intermediate_size=64,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                           tie_word_embeddings=False)
+    mx.random.seed(0)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def _forward(state: ModelState, tokens: mx.array, compiled: bool) -> tuple[mx.array, mx.array]:
+    compiled_forward.row_verify = compiled
+    try:
+        logits = state.forward(tokens)
+    finally:
+        compiled_forward.row_verify = True
+    return logits, state.hidden
+
+
+def _run(model, seed: int, steps: int = 40) -> int:
+    """Two states of MODEL side by side, one compiling its verifies; asserts every forward's
+    logits and hidden rows equal and returns how many verifies of 2+ tokens it compared."""
+    rng = random.Random(seed)
+    both = [ModelState(model, keep_hidden=True), ModelState(model, keep_hidden=True)]
+    prompt = [(3 * t + seed) % VOCAB for t in range(rng.randrange(200, 250))]
+    for state in both:
+        state.prefill(prompt)
+    compiled = 0
+    for step in range(steps):
+        width = rng.randint(1, 9)
+        x = mx.array([rng.randrange(VOCAB) for _ in range(width)], mx.uint32)
+        (a, ha), (b, hb) = _forward(both[0], x, True), _forward(both[1], x, False)
+        assert mx.array_equal(a, b).item(), (seed, step, width, mx.abs(a - b).max().item())
+        assert mx.array_equal(ha, hb).item(), (seed, step, width)
+        compiled += width > 1
+        keep = rng.randint(0, width)
+        for state in both:
+            state.rollback_to(state.length - width + keep)
+            state.commit()
+        assert both[0].length == both[1].length
+    assert both[0].cache[0].keys.shape[2] > 256  # the buffers grew past their first step
+    return compiled
+
+
+@pytest.fixture
+def row_calls(monkeypatch) -> list[int]:
+    """The widths ``CompiledForward.row`` ran, in order."""
+    calls, real = [], CompiledForward.row
+
+    def counted(self, tokens, layers, trunk=None):
+        calls.append(tokens.shape[0])
+        return real(self, tokens, layers, trunk)
+
+    monkeypatch.setattr(CompiledForward, "row", counted)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compiled_verify_equals_op_by_op_through_a_random_run(model, seed, row_calls):
+    compared = _run(model, seed)
+    assert compared > 10 and len(row_calls) == compared  # every verify of the compiling state, none of the other
+
+
+def test_a_planted_write_one_position_late_is_caught(model, monkeypatch):
+    real = compiled_forward.write_positions
+    monkeypatch.setattr(compiled_forward, "write_positions", lambda offset, n: real(offset + 1, n))
+    CompiledForward.of(model).forget()
+    try:
+        with pytest.raises(AssertionError):
+            _run(model, 0, steps=10)
+    finally:
+        CompiledForward.of(model).forget()
+
+
+def test_only_verifies_of_an_attention_only_state_are_compiled(model, tiny_swa, tiny_qwen3_5):
+    made = CompiledForward.of(model)
+    state = ModelState(model)
+    state.prefill(list(range(20)))
+    traced = made.traced
+    mx.eval(state.forward(mx.array([1], mx.uint32)))  # a plain step
+    mx.eval(state.forward(mx.array(list(range(compiled_forward.MAX_ROW_WIDTH + 1)), mx.uint32)))  # too wide
+    assert made.traced == traced
+    mx.eval(state.forward(mx.array([1, 2], mx.uint32)))
+    assert made.traced == traced + 1
+    capturing = ModelState(model, capture=(1,))
+    assert capturing._compiled is None
+    capturing.close()
+    for path in (tiny_swa, tiny_qwen3_5):  # a sliding window; GatedDeltaNet layers
+        assert ModelState(mlx_lm.load(str(path))[0])._compiled is None
+
+
+def test_the_loop_compiles_its_verifies_and_keeps_the_greedy_tokens(tiny_llama, row_calls):
+    target, tok = mlx_lm.load(str(tiny_llama))
+    prompt = tok.encode("one two three four five six seven eight one two three four five six seven eight one two")
+    plain = ModelState(target)
+    logits = plain.forward(mx.array(prompt, mx.uint32), rollback=False)
+    ref = []
+    for _ in range(48):
+        ref.append(mx.argmax(logits[-1]).item())
+        logits = plain.forward(mx.array(ref[-1:], mx.uint32), rollback=False)
+    dec = SpeculativeDecoder(target, drafter=PromptLookupDrafter(), depth=4, gates=False)
+    out, stats = [], None
+    for new, stats in dec.generate(prompt, sampling=SamplingParams(0.0), max_tokens=48):
+        out.extend(new)
+    assert out[:48] == ref
+    assert len(row_calls) >= stats.verify_steps > 0
+
+
+def test_an_echo_script_runs_its_verifies_compiled(row_calls):
+    model = random_model("smoke", bits=0)
+    script = make_script("echo", 1024, 96, 96)
+    ScriptedLogits(model, script.target)
+    dec = SpeculativeDecoder(model, drafter=PromptLookupDrafter(), depth=4, gates=False)
+    out, stats = [], None
+    for new, stats in dec.generate(script.prompt, sampling=SamplingParams(0.0), max_tokens=96):
+        out.extend(new)
+    assert out == script.continuation[:96]
+    assert len(row_calls) >= stats.verify_steps > 10
+
+
+def test_a_changed_script_needs_the_graphs_forgotten():
+    """What a graph captured besides its inputs stays as traced: the bench's scripted logits
+    table is one such, so the bench forgets the graphs when it swaps scripts."""
+    m = random_model("smoke", bits=0)
+    script = ScriptedLogits(m, [7] * 300)
+    state = ModelState(m)
+    state.prefill(list(range(1, 100)))
+    x = mx.array([1, 2, 3], mx.uint32)
+
+    def argmax() -> list[int]:
+        out = mx.argmax(state.forward(x), axis=-1).tolist()
+        state.rollback_to(state.length - 3)
+        return out
+
+    assert argmax() == [7, 7, 7]
+    script.table = mx.array([9] * 300, mx.int32)
+    assert argmax() == [7, 7, 7]  # stale: the graph holds the old table
+    CompiledForward.of(m).forget()
+    assert argmax() == [9, 9, 9]
