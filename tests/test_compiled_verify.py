@@ -165,3 +165,28 @@ def test_a_changed_script_needs_the_graphs_forgotten():
     assert argmax() == [7, 7, 7]  # stale: the graph holds the old table
     CompiledForward.of(m).forget()
     assert argmax() == [9, 9, 9]
+
+
+def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_calls):
+    from mlx_lm.models.cache import KVCache
+
+    from mlxspec.engine.batch_cache import RaggedCache
+
+    both = []
+    for _ in range(2):
+        row = [KVCache() for _ in model.layers]
+        model(mx.array([[t % VOCAB for t in range(230)]]), cache=row)
+        cache = RaggedCache(model)
+        cache.join(row)
+        both.append(cache)
+    for width in (2, 5, 9):
+        x = mx.array([[(7 * j + width) % VOCAB for j in range(width)]])
+        compiled_forward.row_verify = True
+        a, ha, _ = both[0].forward(x, hidden=True)
+        compiled_forward.row_verify = False
+        b, hb, _ = both[1].forward(x, hidden=True)
+        compiled_forward.row_verify = True
+        assert mx.array_equal(a, b).item() and mx.array_equal(ha, hb).item(), width
+        for cache in both:
+            cache.rollback([width - 1])
+    assert row_calls == [2, 5, 9]

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from ..models.gdn_tape import tape_layers
 from ..models.layer_capture import LayerCapture, capturing
 from ..models.trunk import split_trunk
+from . import compiled_forward
 from .cache import Snapshot, cache_leaves, snapshot_caches
 from .compiled_forward import CompiledForward, eligible
 from .ragged_kv import RaggedKVCache
@@ -145,9 +146,12 @@ class RaggedCache:
         if capture is not None:
             capture.attach()
         try:
-            if hidden:
-                if self._trunk is None:
-                    self._trunk = split_trunk(self.model)
+            if hidden and self._trunk is None:
+                self._trunk = split_trunk(self.model)
+            if self._compiles_row(inputs, capture):  # a row alone verifies as a single request does
+                rows, kept = CompiledForward.of(self.model).row(inputs[0], self.layers, self._trunk if hidden else None)
+                logits, h = rows[None], None if kept is None else kept[None]
+            elif hidden:
                 h = self._trunk.body(inputs, cache=self.layers)
                 logits = self._trunk.head(h)
             elif self.compiled is not None and eligible(self.layers, inputs) and not capturing(self.model):
@@ -159,6 +163,12 @@ class RaggedCache:
             for c in self._recurrent:
                 c.record_tape, c.tape = False, None
         return logits, h, None if capture is None else capture.take(batched=True)
+
+    def _compiles_row(self, inputs: mx.array, capture: LayerCapture | None) -> bool:
+        B, W = inputs.shape
+        return (compiled_forward.row_verify and B == 1 and 2 <= W <= compiled_forward.MAX_ROW_WIDTH
+                and capture is None and compiled_forward.compiles_rows(self.layers)
+                and self.layers[0].keys is not None and not capturing(self.model))
 
     def rollback(self, junk: list[int]) -> None:
         """Drop the last ``junk[i]`` positions of row i (its rejected drafts and pad tokens) of
