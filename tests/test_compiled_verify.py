@@ -190,3 +190,30 @@ def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_call
         for cache in both:
             cache.rollback([width - 1])
     assert row_calls == [2, 5, 9]
+
+
+@pytest.mark.parametrize("held_elsewhere", [False, True])
+def test_a_compiled_verify_writes_into_the_cache_not_a_copy(model, held_elsewhere):
+    """At long context a copy of every layer's buffers a verify would cost more than the verify:
+    the graph's writes reuse the buffers they replace (MLX donates a buffer no one else holds). Holding the old buffers elsewhere (the
+    planted case) forces the copy, and the check sees it."""
+    state = ModelState(model)
+    state.prefill(list(range(1, 50)))
+    assert state.pad(8000)
+    x = mx.array([1, 2, 3, 4], mx.uint32)
+    mx.eval(state.forward(x))  # traced and warm
+    state.rollback_to(state.length - 4)
+    layer = state.cache[0].keys.nbytes
+    held = [c.keys for c in state.cache] if held_elsewhere else None
+    mx.eval([c.state for c in state.cache])
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(state.forward(x))
+    extra = mx.get_peak_memory() - base
+    # one layer's keys and values copied would be 2 x LAYER; the attention's scores over 8K keys
+    # (the CPU's op materialises them) are about one LAYER
+    if held_elsewhere:
+        assert extra > 2 * layer, (extra, layer)
+    else:
+        assert extra < 2 * layer, (extra, layer)
+    del held
