@@ -66,7 +66,8 @@ def _run(model, seed: int, steps: int = 40) -> int:
             state.rollback_to(state.length - width + keep)
             state.commit()
         assert both[0].length == both[1].length
-    assert both[0].cache[0].keys.shape[2] > 256  # the buffers grew past their first step
+    kv = next(c for c in both[0].cache if hasattr(c, "keys"))
+    assert kv.keys.shape[2] > 256  # the buffers grew past their first step
     return compiled
 
 
@@ -87,6 +88,36 @@ def row_calls(monkeypatch) -> list[int]:
 def test_compiled_verify_equals_op_by_op_through_a_random_run(model, seed, row_calls):
     compared = _run(model, seed)
     assert compared > 10 and len(row_calls) == compared  # every verify of the compiling state, none of the other
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_hybrids_compiled_verify_equals_op_by_op_with_its_tapes(tiny_qwen3_5, seed, row_calls, monkeypatch):
+    """Qwen3.5's GatedDeltaNet layers (``MLXSPEC_COMPILED_VERIFY=hybrid``): the graph also takes
+    their states and gives back the states after the verify and the tapes a rollback replays,
+    so the forwards after each partial rollback stay equal too."""
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
+    hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
+    assert ModelState(hybrid)._compiled is not None
+    compared = _run(hybrid, seed, steps=25)
+    assert compared > 5 and len(row_calls) == compared
+
+
+def test_a_planted_wrong_tape_is_caught(tiny_qwen3_5, monkeypatch):
+    """A tape whose keys are lost replays a wrong state after a partial accept."""
+    from mlxspec.models.gdn_tape import Tape
+
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
+    monkeypatch.setattr(compiled_forward, "Tape", lambda conv, q, k, v, a, b: Tape(conv, q, k * 0, v, a, b))
+    hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
+    with pytest.raises(AssertionError):
+        _run(hybrid, 0, steps=25)
+
+
+def test_a_hybrid_is_compiled_only_when_asked(tiny_qwen3_5, monkeypatch):
+    hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
+    assert ModelState(hybrid)._compiled is None
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
+    assert ModelState(hybrid)._compiled is not None
 
 
 def test_a_planted_write_one_position_late_is_caught(model, monkeypatch):
@@ -113,7 +144,7 @@ def test_only_verifies_of_an_attention_only_state_are_compiled(model, tiny_swa, 
     capturing = ModelState(model, capture=(1,))
     assert capturing._compiled is None
     capturing.close()
-    for path in (tiny_swa, tiny_qwen3_5):  # a sliding window; GatedDeltaNet layers
+    for path in (tiny_swa, tiny_qwen3_5):  # a sliding window; GatedDeltaNet layers (by default)
         assert ModelState(mlx_lm.load(str(path))[0])._compiled is None
 
 
@@ -134,8 +165,10 @@ def test_the_loop_compiles_its_verifies_and_keeps_the_greedy_tokens(tiny_llama, 
     assert len(row_calls) >= stats.verify_steps > 0
 
 
-def test_an_echo_script_runs_its_verifies_compiled(row_calls):
-    model = random_model("smoke", bits=0)
+@pytest.mark.parametrize("shape", ["smoke", "smoke-hybrid"])
+def test_an_echo_script_runs_its_verifies_compiled(shape, row_calls, monkeypatch):
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
+    model = random_model(shape, bits=0)
     script = make_script("echo", 1024, 96, 96)
     ScriptedLogits(model, script.target)
     dec = SpeculativeDecoder(model, drafter=PromptLookupDrafter(), depth=4, gates=False)
@@ -195,8 +228,8 @@ def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_call
 @pytest.mark.parametrize("held_elsewhere", [False, True])
 def test_a_compiled_verify_writes_into_the_cache_not_a_copy(model, held_elsewhere):
     """At long context a copy of every layer's buffers a verify would cost more than the verify:
-    the graph's writes reuse the buffers they replace (MLX donates a buffer no one else holds). Holding the old buffers elsewhere (the
-    planted case) forces the copy, and the check sees it."""
+    the graph's writes reuse the buffers they replace (MLX donates a buffer no one else holds).
+    Holding the old buffers elsewhere (the planted case) forces the copy, and the check sees it."""
     state = ModelState(model)
     state.prefill(list(range(1, 50)))
     assert state.pad(8000)

@@ -181,7 +181,7 @@ class ModelState:
         # Verifies of an attention-only target run as one compiled graph a (width, capacity):
         # on CUDA a verify's host time is most of its cost (compiled_forward.py). Layer hooks
         # (a capture) run only while a graph is traced, so a capturing state never compiles.
-        compiles = self._capture is None and compiled_forward.compiles_rows(self.cache)
+        compiles = self._capture is None and compiled_forward.compiles_rows(self.cache, self._taped)
         self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
         self.length = 0
         self._segments: list[_Segment] = []
@@ -278,8 +278,9 @@ class ModelState:
         return logits
 
     def _compiles(self, n: int) -> bool:
+        kv = self._trimmable[0] if self._trimmable else None
         return (self._compiled is not None and compiled_forward.row_verify and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
-                and self.cache[0].keys is not None)
+                and kv is not None and kv.keys is not None and all(c[0] is not None for c in self._arrays))
 
     def _verify(self, tokens: mx.array) -> mx.array:
         """``feed`` of a verify's tokens through the compiled graph: the same logits and hidden rows."""

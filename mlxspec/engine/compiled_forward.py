@@ -44,8 +44,9 @@ from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ..models.gdn_tape import Tape
 from ..models.sharding import launched
 from ..models.trunk import Trunk
 from .ragged_kv import RaggedKVCache, rows_mask, write_positions
@@ -53,7 +54,10 @@ from .ragged_kv import RaggedKVCache, rows_mask, write_positions
 KEPT = 24  # compiled graphs kept (rows x width x capacity); the least recently used goes first
 ROW_ENV = "MLXSPEC_COMPILED_VERIFY"
 row_verify = os.environ.get(ROW_ENV, "1") != "0"  # a single request's verifies compiled (read once)
+# ... and those of GatedDeltaNet hybrids too (``=hybrid``): exact on the CPU, not yet timed on a GPU
+hybrid_verify = os.environ.get(ROW_ENV, "") == "hybrid"
 MAX_ROW_WIDTH = 17  # the widest single-request verify compiled: 16 drafts and the last token
+TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
 
 
 class StaticKV:
@@ -133,29 +137,42 @@ class CompiledForward:
             c.advance(k, v, W, after)
         return logits
 
-    def row(self, tokens: mx.array, layers: list[KVCache],
+    def row(self, tokens: mx.array, layers: list,
             trunk: Trunk | None = None) -> tuple[mx.array, mx.array | None]:
-        """One request's verify: logits (W, V) of TOKENS (W,) over its own KV caches LAYERS (every
-        one at the same offset), and with TRUNK (a model cut at its final norm) the hidden rows
-        (W, H) too. Each layer then holds W more tokens, as ``update_and_fetch`` leaves it; the
-        buffer past them keeps whatever it held (a trim moves the offset only, as before)."""
+        """One request's verify: logits (W, V) of TOKENS (W,) over its own caches LAYERS (one a
+        layer: ``KVCache``s every one at the same offset, and a hybrid's GatedDeltaNet
+        ``ArraysCache``s, taped layers), and with TRUNK (a model cut at its final norm) the hidden
+        rows (W, H) too. Each KV layer then holds W more tokens, as ``update_and_fetch`` leaves
+        it (the buffer past them keeps whatever it held: a trim moves the offset only); each
+        recurrent layer holds its state after the W tokens and, where ``record_tape`` is set,
+        the :class:`~mlxspec.models.gdn_tape.Tape` a rollback replays."""
         W = tokens.shape[0]
-        start = layers[0].offset
-        assert all(c.offset == start for c in layers), [c.offset for c in layers]
-        for c in layers:
+        kv = [c for c in layers if type(c) is KVCache]
+        recurrent = [c for c in layers if type(c) is not KVCache]
+        start = kv[0].offset
+        assert all(c.offset == start for c in kv), [c.offset for c in kv]
+        for c in kv:
             _room(c, start + W)
-        capacity = layers[0].keys.shape[2]
-        assert all(c.keys.shape[2] == capacity for c in layers), [c.keys.shape for c in layers]
+        capacity = kv[0].keys.shape[2]
+        assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
+        kinds = tuple(0 if type(c) is KVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
         traced, t0 = self.traced, time.perf_counter()
-        key = ("row", W, capacity, layers[0].keys.dtype, trunk is not None)
-        graph = self._graph(key, partial(self._row_forward, trunk))
-        logits, hidden, keys, values = graph(tokens[None], mx.array([start], mx.int32),
-                                             [c.keys for c in layers], [c.values for c in layers])
+        key = ("row", W, capacity, kv[0].keys.dtype, trunk is not None, kinds)
+        graph = self._graph(key, partial(self._row_forward, trunk, kinds))
+        logits, hidden, keys, values, states, tapes = graph(
+            tokens[None], mx.array([start], mx.int32), [c.keys for c in kv], [c.values for c in kv],
+            [a for c in recurrent for a in c.cache])
         if self.traced > traced:
             self.trace_s += time.perf_counter() - t0
-        for c, k, v in zip(layers, keys, values, strict=True):
+        for c, k, v in zip(kv, keys, values, strict=True):
             c.keys, c.values = k, v
             c.offset += W
+        for i, c in enumerate(recurrent):
+            n = len(c.cache)
+            c.cache = list(states[i * n: (i + 1) * n])
+            c.advance(W)
+            if getattr(c, "record_tape", False):
+                c.tape = Tape(*tapes[i * TAPED_ARRAYS: (i + 1) * TAPED_ARRAYS])
         return logits[0], (hidden[0][0] if hidden else None)
 
     def _graph(self, key: tuple, forward):
@@ -176,17 +193,30 @@ class CompiledForward:
         logits = self.model(inputs, cache=layers)
         return logits, [c.keys for c in layers], [c.values for c in layers]
 
-    def _row_forward(self, trunk: Trunk | None, inputs: mx.array, offset: mx.array, keys: list[mx.array],
-                     values: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array], list[mx.array]]:
+    def _row_forward(self, trunk: Trunk | None, kinds: tuple[int, ...], inputs: mx.array, offset: mx.array,
+                     keys: list[mx.array], values: list[mx.array], states: list[mx.array]) -> tuple:
         W = inputs.shape[1]
         at = write_positions(offset, W)
-        layers = [StaticKV(k, v, offset, at) for k, v in zip(keys, values, strict=True)]
+        kv, arrays = iter(zip(keys, values, strict=True)), iter(states)
+        layers, recurrent = [], []
+        for n in kinds:
+            if n == 0:
+                layers.append(StaticKV(*next(kv), offset, at))
+            else:  # a GatedDeltaNet layer's state, taped as a verify tapes it
+                c = ArraysCache(n)
+                c.cache = [next(arrays) for _ in range(n)]
+                c.record_tape = True
+                layers.append(c)
+                recurrent.append(c)
         if trunk is None:
             logits, hidden = self.model(inputs, cache=layers), []
         else:
             h = trunk.body(inputs, cache=layers)
             logits, hidden = trunk.head(h), [h]
-        return logits, hidden, [c.keys for c in layers], [c.values for c in layers]
+        statics = [c for c in layers if isinstance(c, StaticKV)]
+        tapes = [a for c in recurrent for a in (c.tape.conv_input, c.tape.q, c.tape.k, c.tape.v, c.tape.a, c.tape.b)]
+        return (logits, hidden, [c.keys for c in statics], [c.values for c in statics],
+                [a for c in recurrent for a in c.cache], tapes)
 
     def forget(self) -> None:
         """Drop every graph: what they captured besides their inputs (the weights, a bench's
@@ -194,11 +224,19 @@ class CompiledForward:
         self._graphs.clear()
 
 
-def compiles_rows(cache: list) -> bool:
+def compiles_rows(cache: list, taped: list | None = None) -> bool:
     """Whether a single request's verifies over CACHE (one entry a layer) can be compiled: every
-    layer mlx-lm's plain ``KVCache`` (no sliding window, quantized cache or recurrent state), in
-    a process that runs the whole model (not one rank of several, whose forward communicates)."""
-    return bool(cache) and all(type(c) is KVCache for c in cache) and not launched()
+    layer mlx-lm's plain ``KVCache`` (no sliding window or quantized cache), or with
+    :data:`hybrid_verify` a GatedDeltaNet hybrid whose recurrent layers are all TAPED (one entry
+    of ``gdn_tape.tape_layers`` a recurrent cache), in a process that runs the whole model (not
+    one rank of several, whose forward communicates)."""
+    if not cache or launched():
+        return False
+    recurrent = [c for c in cache if type(c) is not KVCache]
+    if not recurrent:
+        return True
+    return (hybrid_verify and len(recurrent) < len(cache) and all(type(c) is ArraysCache for c in recurrent)
+            and taped is not None and len(taped) == len(recurrent))
 
 
 def _room(c: KVCache, extent: int) -> None:
