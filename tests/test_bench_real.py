@@ -106,6 +106,9 @@ def test_run_real_shapes_cells_are_identical_and_complete():
     for c in forced:  # every draft accepted: k + 1 tokens per verify (the last one may be cut)
         assert c["acceptance"] == 1.0 and c["tokens_per_step"] > 2.5 and c["ideal"] > 0
     assert all(len(c["reps_tps"]) == 2 for c in cells if c["engine"] != BASELINE)
+    # the warm-up traced every compiled verify a timed repetition meets, each script's own
+    assert all(c["compiled_traces"] == 0 for c in cells if c["engine"].startswith("mlxspec-")), \
+        [(c["workload"], c["engine"], c["compiled_traces"]) for c in cells if c["engine"].startswith("mlxspec-")]
     assert all(c["reps"] >= 2 and c["context_tokens"] == 48 for c in cells)
     assert any(c["temperature"] == 0.7 for c in cells)
     shape = result["shapes"][0]

@@ -179,25 +179,34 @@ def test_an_echo_script_runs_its_verifies_compiled(shape, row_calls, monkeypatch
     assert len(row_calls) >= stats.verify_steps > 10
 
 
-def test_a_changed_script_needs_the_graphs_forgotten():
+def test_a_changed_script_needs_a_scope_of_its_own():
     """What a graph captured besides its inputs stays as traced: the bench's scripted logits
-    table is one such, so the bench forgets the graphs when it swaps scripts."""
+    table is one such, so the bench gives each script its own scope of graphs (and a script
+    that comes back finds its graphs, traced once)."""
     m = random_model("smoke", bits=0)
     script = ScriptedLogits(m, [7] * 300)
     state = ModelState(m)
     state.prefill(list(range(1, 100)))
     x = mx.array([1, 2, 3], mx.uint32)
+    made = CompiledForward.of(m)
 
     def argmax() -> list[int]:
         out = mx.argmax(state.forward(x), axis=-1).tolist()
         state.rollback_to(state.length - 3)
         return out
 
+    made.scope = "sevens"
     assert argmax() == [7, 7, 7]
     script.table = mx.array([9] * 300, mx.int32)
     assert argmax() == [7, 7, 7]  # stale: the graph holds the old table
-    CompiledForward.of(m).forget()
+    made.scope = "nines"
     assert argmax() == [9, 9, 9]
+    traced = made.traced
+    script.table = mx.array([7] * 300, mx.int32)
+    made.scope = "sevens"
+    assert argmax() == [7, 7, 7] and made.traced == traced  # its graph again, not traced again
+    made.forget()
+    assert argmax() == [7, 7, 7] and made.traced == traced + 1
 
 
 def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_calls):

@@ -128,7 +128,7 @@ class ConcurrencyBench:
 
         if self._following != workload:
             self.logits.follow = mx.array(self.tables[workload], mx.int32)
-            CompiledForward.of(self.model).forget()  # its graphs hold the last table
+            CompiledForward.of(self.model).scope = workload  # a graph holds the table it was traced with
             if self.stock is not None:
                 self.stock.follow(self.tables[workload])
             self._following = workload

@@ -245,12 +245,15 @@ class ShapeBench:
         from ..engine.compiled_forward import CompiledForward
 
         script = self.scripts[cell.workload]
-        if self._scripted is not script:  # compiled verifies hold the tables they were traced with
+        if self._scripted is not script:
             self.target_logits.table = mx.array(script.target, mx.int32)
-            CompiledForward.of(self.model).forget()
             if self.draft_logits is not None:
                 self.draft_logits.table = mx.array(script.drafted, mx.int32)
-                CompiledForward.of(self.draft).forget()
+            # a compiled verify holds the table it was traced with: each script its own graphs
+            # (forgetting them at each switch traced them again inside every timed repetition)
+            for model in (self.model, self.draft):
+                if model is not None:
+                    CompiledForward.of(model).scope = cell.workload
             self._scripted = script
         n = max_tokens or self.max_tokens
         seed = self.seed if cell.temperature > 0 else None
@@ -298,9 +301,11 @@ class ShapeBench:
         raise UsageError(f"unknown real-shapes engine '{engine}' ({', '.join(ENGINES)})")
 
     def _mlxspec(self, script, n, cell: Cell, seed) -> Run:
+        from ..engine.compiled_forward import traces
         from ..engine.sampling import SamplingParams
         from ..engine.speculate import SpeculativeDecoder
 
+        traced = traces()[0]
         forced = cell.depth is not None
         drafter = self._drafter(cell.engine, script)
         dec = SpeculativeDecoder(self.model, drafter=drafter, depth=cell.depth, gates=not forced, cost=self.cost,
@@ -312,7 +317,7 @@ class ShapeBench:
                 tokens.extend(new)
                 stamps.append(time.perf_counter())
         trees = getattr(drafter, "tree_log", None)  # a tree the target could not verify is not counted
-        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict(),
+        return Run(tokens, stamps[-1] - stamps[0], stats=stats.to_dict() | {"compiled_traces": traces()[0] - traced},
                    trees=None if trees is None else trees[: stats.tree_steps])
 
     def ideal(self, cell: Cell, run: Run, plain_ms: float) -> float | None:

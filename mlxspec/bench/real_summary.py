@@ -129,6 +129,10 @@ def engine_details(mine: list) -> dict:
     return {
         "mean_depth": round(statistics.mean(r.stats["mean_depth"] for r in mine), 2) if stats else None,
         "queued_used": sum(r.stats.get("queued_used", 0) for r in mine) if stats else None,
+        "queued_dropped": sum(r.stats.get("queued_dropped", 0) for r in mine) if stats else None,
+        # compiled verify graphs traced inside the timed repetitions (each costs a model's build
+        # and MLX's compile on the host; the warm-up should have traced them all)
+        "compiled_traces": sum(r.stats.get("compiled_traces", 0) for r in mine) if stats else None,
         "tree_steps": len(trees) if mine[0].trees is not None else None,
         "mean_tree_nodes": round(statistics.mean(n for n, _ in trees), 2) if trees else None,
         "tree_note": mine[-1].stats.get("tree_note") if stats else None,

@@ -51,7 +51,7 @@ from ..models.sharding import launched
 from ..models.trunk import Trunk
 from .ragged_kv import RaggedKVCache, rows_mask, write_positions
 
-KEPT = 24  # compiled graphs kept (rows x width x capacity); the least recently used goes first
+KEPT = 48  # compiled graphs kept (scope x rows x width x capacity); the least recently used goes first
 ROW_ENV = "MLXSPEC_COMPILED_VERIFY"
 row_verify = os.environ.get(ROW_ENV, "1") != "0"  # a single request's verifies compiled (read once)
 # ... and those of GatedDeltaNet hybrids too (``=hybrid``): exact on the CPU, not yet timed on a GPU
@@ -104,6 +104,9 @@ class CompiledForward:
         self.kept = kept
         self._graphs: OrderedDict[tuple, object] = OrderedDict()
         self.traced = 0  # graphs compiled (each costs a trace of the model in Python)
+        # what the graphs captured besides their inputs is the same within a scope (the bench's
+        # scripted logits table: one scope a script), so each scope keeps graphs of its own
+        self.scope: object = None
         self.trace_s = 0.0  # host seconds the calls that traced took
         _MADE.add(self)
 
@@ -176,6 +179,7 @@ class CompiledForward:
         return logits[0], (hidden[0][0] if hidden else None)
 
     def _graph(self, key: tuple, forward):
+        key = (self.scope, *key)
         graph = self._graphs.pop(key, None)
         if graph is None:
             graph = mx.compile(forward)
@@ -219,8 +223,9 @@ class CompiledForward:
                 [a for c in recurrent for a in c.cache], tapes)
 
     def forget(self) -> None:
-        """Drop every graph: what they captured besides their inputs (the weights, a bench's
-        scripted logits) changed."""
+        """Drop every graph: what they captured besides their inputs (the weights) changed.
+        (What changes with a known tag, such as a bench's script, is better kept apart by
+        :attr:`scope`: its graphs are not traced again when it comes back.)"""
         self._graphs.clear()
 
 
