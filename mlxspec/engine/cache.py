@@ -178,9 +178,10 @@ class ModelState:
         # Qwen3.5-style GatedDeltaNet layers record their recurrence inputs during a verify, so
         # a partial accept replays m recurrence steps instead of re-running the model.
         self._taped = tape_layers(model, self.cache) if self._arrays else None
-        # Verifies of an attention-only target run as one compiled graph a (width, capacity):
-        # on CUDA a verify's host time is most of its cost (compiled_forward.py). Layer hooks
-        # (a capture) run only while a graph is traced, so a capturing state never compiles.
+        # Verifies of an attention-only target (with MLXSPEC_COMPILED_VERIFY=hybrid, a taped
+        # hybrid's too) run as one compiled graph a (width, capacity): on CUDA a verify's host
+        # time is most of its cost (compiled_forward.py). Layer hooks (a capture) run only while
+        # a graph is traced, so a capturing state never compiles.
         compiles = self._capture is None and compiled_forward.compiles_rows(self.cache, self._taped)
         self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
         self.length = 0
