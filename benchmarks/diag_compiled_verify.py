@@ -7,7 +7,10 @@ needs past what the caches hold (a compiled graph that copied its caches instead
 into them would show the caches' size here).
 
     python3 benchmarks/diag_compiled_verify.py [--shape qwen3-8b] [--contexts 1024,32768]
-        [--widths 2,4,9] [--reps 10] [--json OUT]
+        [--widths 2,4,9] [--reps 10] [--hybrid] [--json OUT]
+
+--hybrid compiles a GatedDeltaNet hybrid's verifies too (``MLXSPEC_COMPILED_VERIFY=hybrid``), for
+shapes such as qwen3.6-27b; without it their states are never compiled.
 """
 
 from __future__ import annotations
@@ -67,17 +70,21 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,32768")
     ap.add_argument("--widths", default="2,4,9")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--hybrid", action="store_true", help="compile a GatedDeltaNet hybrid's verifies too")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    compiled_forward.hybrid_verify = args.hybrid
     vocab = vocab_size(args.shape)
     model = random_model(args.shape)
     out = []
     for context in (int(c) for c in args.contexts.split(",")):
         state = ModelState(model)
+        if not state.compiles_verifies:
+            raise SystemExit(f"{args.shape}'s verifies are not compiled here" + ("" if args.hybrid else " (--hybrid?)"))
         state.prefill([(5 * t + 1) % vocab for t in range(256)])
         if not state.pad(context - 256):
             raise SystemExit(f"cannot pad {args.shape}'s caches to {context} tokens")
-        kv_mb = round(sum(c.keys.nbytes + c.values.nbytes for c in state.cache) / 2**20, 1)
+        kv_mb = round(sum(c.keys.nbytes + c.values.nbytes for c in state.cache if hasattr(c, "keys")) / 2**20, 1)
         for width in (int(w) for w in args.widths.split(",")):
             line = {"shape": args.shape, "context": context, "kv_mb": kv_mb, **cell(state, vocab, width, args.reps)}
             print(json.dumps(line), flush=True)

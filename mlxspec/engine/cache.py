@@ -278,6 +278,11 @@ class ModelState:
         self.length += tokens.shape[0]
         return logits
 
+    @property
+    def compiles_verifies(self) -> bool:
+        """Whether this state's verifies (2..MAX_ROW_WIDTH tokens) run as compiled graphs."""
+        return self._compiled is not None and compiled_forward.row_verify
+
     def _compiles(self, n: int) -> bool:
         kv = self._trimmable[0] if self._trimmable else None
         return (self._compiled is not None and compiled_forward.row_verify and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
