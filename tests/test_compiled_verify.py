@@ -259,3 +259,18 @@ def test_a_compiled_verify_writes_into_the_cache_not_a_copy(model, held_elsewher
     else:
         assert extra < 2 * layer, (extra, layer)
     del held
+
+
+def test_a_long_run_traces_few_graphs():
+    """A graph is traced per (width, capacity): the request's buffers grow in ROW_STEP positions,
+    so a 1,200-token run traces each width about once a ROW_STEP (33 graphs with mlx-lm's 256)."""
+    model = random_model("smoke", bits=0)
+    script = make_script("echo", 1024, 200, 1200)
+    ScriptedLogits(model, script.target)
+    made = CompiledForward.of(model)
+    dec = SpeculativeDecoder(model, drafter=PromptLookupDrafter(), gates=True)
+    out, stats = [], None
+    for new, stats in dec.generate(script.prompt, sampling=SamplingParams(0.0), max_tokens=1200):
+        out.extend(new)
+    assert out == script.continuation[:1200] and stats.verify_steps > 100
+    assert made.traced <= 16, made.traced

@@ -184,6 +184,8 @@ class ModelState:
         # a graph is traced, so a capturing state never compiles.
         compiles = self._capture is None and compiled_forward.compiles_rows(self.cache, self._taped)
         self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
+        for c in self._trimmable if compiles else ():
+            c.step = compiled_forward.ROW_STEP  # fewer capacities, fewer graphs traced
         self.length = 0
         self._segments: list[_Segment] = []
 

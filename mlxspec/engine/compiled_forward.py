@@ -58,6 +58,11 @@ row_verify = os.environ.get(ROW_ENV, "1") != "0"  # a single request's verifies 
 hybrid_verify = os.environ.get(ROW_ENV, "") == "hybrid"
 MAX_ROW_WIDTH = 17  # the widest single-request verify compiled: 16 drafts and the last token
 TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
+# Positions a request's KV buffers grow by while its verifies are compiled (mlx-lm's KVCache: 256).
+# A graph is traced per (width, capacity), so each growth traces every width again: on a tiny
+# model's 1,200-token echo run 33 graphs at 256, 15 at 1024. It wastes at most ROW_STEP - 1
+# positions a layer (about 150 MB on Qwen3-8B's shape).
+ROW_STEP = 1024
 
 
 class StaticKV:
