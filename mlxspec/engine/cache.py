@@ -287,7 +287,7 @@ class ModelState:
 
     def _compiles(self, n: int) -> bool:
         kv = self._trimmable[0] if self._trimmable else None
-        return (self._compiled is not None and compiled_forward.row_verify and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
+        return (self.compiles_verifies and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
                 and kv is not None and kv.keys is not None and all(c[0] is not None for c in self._arrays))
 
     def _verify(self, tokens: mx.array) -> mx.array:

@@ -136,8 +136,8 @@ class CompiledForward:
         capacity = layers[0].keys.shape[2]
         assert all(c.keys.shape[2] == capacity for c in layers), [c.keys.shape for c in layers]
         traced, t0 = self.traced, time.perf_counter()
-        graph = self._graph((B, W, capacity, inputs.dtype), self._forward)
-        logits, keys, values = graph(inputs, offset, [c.keys for c in layers], [c.values for c in layers])
+        graph = self._graph((B, W, capacity, inputs.dtype), partial(self._forward, None, (0,) * len(layers)))
+        logits, _, keys, values, _, _ = graph(inputs, offset, [c.keys for c in layers], [c.values for c in layers], [])
         if self.traced > traced:
             self.trace_s += time.perf_counter() - t0
         after = offset + W
@@ -166,7 +166,7 @@ class CompiledForward:
         kinds = tuple(0 if type(c) is KVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
         traced, t0 = self.traced, time.perf_counter()
         key = ("row", W, capacity, kv[0].keys.dtype, trunk is not None, kinds)
-        graph = self._graph(key, partial(self._row_forward, trunk, kinds))
+        graph = self._graph(key, partial(self._forward, trunk, kinds))
         logits, hidden, keys, values, states, tapes = graph(
             tokens[None], mx.array([start], mx.int32), [c.keys for c in kv], [c.values for c in kv],
             [a for c in recurrent for a in c.cache])
@@ -175,12 +175,13 @@ class CompiledForward:
         for c, k, v in zip(kv, keys, values, strict=True):
             c.keys, c.values = k, v
             c.offset += W
-        for i, c in enumerate(recurrent):
-            n = len(c.cache)
-            c.cache = list(states[i * n: (i + 1) * n])
+        states, tapes = iter(states), iter(tapes)
+        for c in recurrent:
+            c.cache = [next(states) for _ in c.cache]
+            taped = Tape(*(next(tapes) for _ in range(TAPED_ARRAYS)))
             c.advance(W)
             if getattr(c, "record_tape", False):
-                c.tape = Tape(*tapes[i * TAPED_ARRAYS: (i + 1) * TAPED_ARRAYS])
+                c.tape = taped
         return logits[0], (hidden[0][0] if hidden else None)
 
     def _graph(self, key: tuple, forward):
@@ -194,16 +195,11 @@ class CompiledForward:
         self._graphs[key] = graph
         return graph
 
-    def _forward(self, inputs: mx.array, offset: mx.array, keys: list[mx.array],
-                 values: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-        W = inputs.shape[1]
-        at = write_positions(offset, W)
-        layers = [StaticKV(k, v, offset, at) for k, v in zip(keys, values, strict=True)]
-        logits = self.model(inputs, cache=layers)
-        return logits, [c.keys for c in layers], [c.values for c in layers]
-
-    def _row_forward(self, trunk: Trunk | None, kinds: tuple[int, ...], inputs: mx.array, offset: mx.array,
-                     keys: list[mx.array], values: list[mx.array], states: list[mx.array]) -> tuple:
+    def _forward(self, trunk: Trunk | None, kinds: tuple[int, ...], inputs: mx.array, offset: mx.array,
+                 keys: list[mx.array], values: list[mx.array], states: list[mx.array]) -> tuple:
+        """The traced forward of INPUTS (B, W) over caches of KINDS (a layer each: 0 a KV layer,
+        written at OFFSET through a :class:`StaticKV`; n a GatedDeltaNet layer's n state arrays,
+        taped): (logits, [hidden] with TRUNK else [], keys, values, states, tapes)."""
         W = inputs.shape[1]
         at = write_positions(offset, W)
         kv, arrays = iter(zip(keys, values, strict=True)), iter(states)
