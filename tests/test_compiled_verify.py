@@ -67,7 +67,7 @@ def _run(model, seed: int, steps: int = 40) -> int:
         (a, ha), (b, hb) = _forward(both[0], x, True), _forward(both[1], x, False)
         assert mx.array_equal(a, b).item(), (seed, step, width, mx.abs(a - b).max().item())
         assert mx.array_equal(ha, hb).item(), (seed, step, width)
-        compiled += width > 1
+        compiled += width > 1 or compiled_forward.plain_steps
         keep = rng.randint(0, width)
         for state in both:
             state.rollback_to(state.length - width + keep)
@@ -97,11 +97,10 @@ def test_compiled_verify_equals_op_by_op_through_a_random_run(model, seed, row_c
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_a_hybrids_compiled_verify_equals_op_by_op_with_its_tapes(tiny_qwen3_5, seed, row_calls, monkeypatch):
-    """Qwen3.5's GatedDeltaNet layers (``MLXSPEC_COMPILED_VERIFY=hybrid``): the graph also takes
+def test_a_hybrids_compiled_verify_equals_op_by_op_with_its_tapes(tiny_qwen3_5, seed, row_calls):
+    """Qwen3.5's GatedDeltaNet layers: the graph also takes
     their states and gives back the states after the verify and the tapes a rollback replays,
     so the forwards after each partial rollback stay equal too."""
-    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
     hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
     assert ModelState(hybrid)._compiled is not None
     compared = _run(hybrid, seed, steps=25)
@@ -112,18 +111,29 @@ def test_a_planted_wrong_tape_is_caught(tiny_qwen3_5, monkeypatch):
     """A tape whose keys are lost replays a wrong state after a partial accept."""
     from mlxspec.models.gdn_tape import Tape
 
-    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
     monkeypatch.setattr(compiled_forward, "Tape", lambda conv, q, k, v, a, b: Tape(conv, q, k * 0, v, a, b))
     hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
     with pytest.raises(AssertionError):
         _run(hybrid, 0, steps=25)
 
 
-def test_a_hybrid_is_compiled_only_when_asked(tiny_qwen3_5, monkeypatch):
+def test_an_moe_hybrids_compiled_verify_equals_op_by_op(tiny_qwen3_next, row_calls):
+    """Qwen3-Next (the Qwen3.6 MoE's layout: GatedDeltaNet layers, routed experts): compiled by
+    default, and equal to op by op through rollbacks and growth."""
+    assert compiled_forward.hybrid_verify  # the default
+    assert ModelState(tiny_qwen3_next)._compiled is not None
+    compared = _run(tiny_qwen3_next, 0, steps=20)
+    assert compared > 5 and len(row_calls) == compared
+
+
+def test_a_hybrid_is_compiled_unless_kept_to_attention_only(tiny_qwen3_5, monkeypatch):
+    """``MLXSPEC_COMPILED_VERIFY=kv`` leaves a hybrid's verifies op by op; ``0`` every verify."""
+    assert [compiled_forward.verify_modes(v) for v in (None, "", "1", "hybrid", "kv", "KV", "0")] == [
+        (True, True)] * 4 + [(True, False)] * 2 + [(False, False)]
     hybrid = mlx_lm.load(str(tiny_qwen3_5))[0]
-    assert ModelState(hybrid)._compiled is None
-    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
     assert ModelState(hybrid)._compiled is not None
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", False)
+    assert ModelState(hybrid)._compiled is None
 
 
 def test_a_planted_write_one_position_late_is_caught(model, monkeypatch):
@@ -137,21 +147,26 @@ def test_a_planted_write_one_position_late_is_caught(model, monkeypatch):
         CompiledForward.of(model).forget()
 
 
-def test_only_verifies_of_an_attention_only_state_are_compiled(model, tiny_swa, tiny_qwen3_5):
+def test_only_verifies_that_apply_are_compiled(model, tiny_swa, tiny_qwen3_5, monkeypatch):
     made = CompiledForward.of(model)
     state = ModelState(model)
     state.prefill(list(range(20)))
     traced = made.traced
-    mx.eval(state.forward(mx.array([1], mx.uint32)))  # a plain step
     mx.eval(state.forward(mx.array(list(range(compiled_forward.MAX_ROW_WIDTH + 1)), mx.uint32)))  # too wide
     assert made.traced == traced
+    monkeypatch.setattr(compiled_forward, "plain_steps", False)  # MLXSPEC_COMPILED_PLAIN=0
+    mx.eval(state.forward(mx.array([1], mx.uint32)))
+    assert made.traced == traced
+    monkeypatch.setattr(compiled_forward, "plain_steps", True)
+    mx.eval(state.forward(mx.array([1], mx.uint32)))  # a plain step, compiled by default
     mx.eval(state.forward(mx.array([1, 2], mx.uint32)))
-    assert made.traced == traced + 1
+    assert made.traced == traced + 2
     capturing = ModelState(model, capture=(1,))
     assert capturing._compiled is None
     capturing.close()
-    for path in (tiny_swa, tiny_qwen3_5):  # a sliding window; GatedDeltaNet layers (by default)
-        assert ModelState(mlx_lm.load(str(path))[0])._compiled is None
+    assert ModelState(mlx_lm.load(str(tiny_swa))[0])._compiled is None  # a sliding window
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", False)  # GatedDeltaNet layers, =kv
+    assert ModelState(mlx_lm.load(str(tiny_qwen3_5))[0])._compiled is None
 
 
 def test_the_loop_compiles_its_verifies_and_keeps_the_greedy_tokens(tiny_llama, row_calls):
@@ -172,8 +187,7 @@ def test_the_loop_compiles_its_verifies_and_keeps_the_greedy_tokens(tiny_llama, 
 
 
 @pytest.mark.parametrize("shape", ["smoke", "smoke-hybrid"])
-def test_an_echo_script_runs_its_verifies_compiled(shape, row_calls, monkeypatch):
-    monkeypatch.setattr(compiled_forward, "hybrid_verify", True)
+def test_an_echo_script_runs_its_verifies_compiled(shape, row_calls):
     model = random_model(shape, bits=0)
     script = make_script("echo", 1024, 96, 96)
     ScriptedLogits(model, script.target)
@@ -269,7 +283,8 @@ def test_a_compiled_verify_writes_into_the_cache_not_a_copy(model, held_elsewher
 
 def test_a_long_run_traces_few_graphs():
     """A graph is traced per (width, capacity): the request's buffers grow in ROW_STEP positions,
-    so a 1,200-token run traces each width about once a ROW_STEP (33 graphs with mlx-lm's 256)."""
+    so a 1,200-token run traces each width about once a ROW_STEP (with mlx-lm's 256: 33 graphs
+    before plain steps were compiled too, 39 with them)."""
     model = random_model("smoke", bits=0)
     script = make_script("echo", 1024, 200, 1200)
     ScriptedLogits(model, script.target)
@@ -279,4 +294,4 @@ def test_a_long_run_traces_few_graphs():
     for new, stats in dec.generate(script.prompt, sampling=SamplingParams(0.0), max_tokens=1200):
         out.extend(new)
     assert out == script.continuation[:1200] and stats.verify_steps > 100
-    assert made.traced <= 16, made.traced
+    assert made.traced <= 18, made.traced

@@ -178,10 +178,10 @@ class ModelState:
         # Qwen3.5-style GatedDeltaNet layers record their recurrence inputs during a verify, so
         # a partial accept replays m recurrence steps instead of re-running the model.
         self._taped = tape_layers(model, self.cache) if self._arrays else None
-        # Verifies of an attention-only target (with MLXSPEC_COMPILED_VERIFY=hybrid, a taped
-        # hybrid's too) run as one compiled graph a (width, capacity): on CUDA a verify's host
-        # time is most of its cost (compiled_forward.py). Layer hooks (a capture) run only while
-        # a graph is traced, so a capturing state never compiles.
+        # Verifies of an attention-only target or a taped GatedDeltaNet hybrid run as one
+        # compiled graph a (width, capacity): on CUDA a verify's host time is most of its cost
+        # (compiled_forward.py). Layer hooks (a capture) run only while a graph is traced, so a
+        # capturing state never compiles.
         compiles = self._capture is None and compiled_forward.compiles_rows(self.cache, self._taped)
         self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
         for c in self._trimmable if compiles else ():
@@ -287,7 +287,8 @@ class ModelState:
 
     def _compiles(self, n: int) -> bool:
         kv = self._trimmable[0] if self._trimmable else None
-        return (self.compiles_verifies and 2 <= n <= compiled_forward.MAX_ROW_WIDTH
+        least = 1 if compiled_forward.plain_steps else 2
+        return (self.compiles_verifies and least <= n <= compiled_forward.MAX_ROW_WIDTH
                 and kv is not None and kv.keys is not None and all(c[0] is not None for c in self._arrays))
 
     def _verify(self, tokens: mx.array) -> mx.array:

@@ -21,14 +21,22 @@ layer's buffer (a multiple of ``ragged_kv.STEP``) through a mask that hides what
 row's end. The shapes that key a graph are the rows, the width and the capacity; the graphs kept
 are bounded (:data:`KEPT`): dropping one frees its trace.
 
-A single request's verify (:meth:`CompiledForward.row`, what ``ModelState.forward`` runs for 2 to
+A single request's verify (:meth:`CompiledForward.row`, what ``ModelState.forward`` runs for 1 to
 :data:`MAX_ROW_WIDTH` tokens over an attention-only target) is compiled the same way over the
 request's own ``KVCache`` buffers, which already hold room past their offset: one row, its end
 as a (1,) array. Measured (H100, Qwen3-8B shape, 4-bit, 500 tokens of context, 10 ABAB pairs,
 ``diag_compiled_forward.py --rows 1``): a waited verify of 2 / 4 / 5 / 9 tokens took 6.7 / 8.9 /
-8.2 / 11.2 ms against 9.8 / 13.9 / 11.6 / 13.1 op by op, with the same bf16 logits. One-token
-plain steps stay op by op (mlx-lm's own path, queued ahead as mlx-lm queues it).
+8.2 / 11.2 ms against 9.8 / 13.9 / 11.6 / 13.1 op by op, with the same bf16 logits. A plain
+one-token step of such a state goes through the same graph (width 1, no tape), queued ahead as
+mlx-lm queues its steps (a waited step: 10.3 ms against 10.9 on the 8B shape, 23.9 against 26.7
+on the 27B; ``MLXSPEC_COMPILED_PLAIN=0``, :data:`plain_steps`, leaves it op by op).
 ``MLXSPEC_COMPILED_VERIFY=0`` (read at import; :data:`row_verify`) turns it off.
+
+A GatedDeltaNet hybrid's verify (Qwen3.5/3.6, Qwen3-Next) is compiled too, its recurrent states
+and the tapes a rollback replays going in and out of the graph. Measured (H100, Qwen3.6-27B
+shape, 4-bit, 1,024 tokens of context, ``diag_compiled_verify.py``): a waited verify of
+2 / 4 tokens took 23.8 / 24.0 ms against 33.9 / 35.5 op by op, and the mtp-like cell went from
+1.23x to 1.83x stock mlx-lm. ``MLXSPEC_COMPILED_VERIFY=kv`` keeps it to attention-only targets.
 
 Terms: ``offset`` (B,) int32, row b's tokens before this forward (``RaggedKVCache.offset``);
 ``capacity`` C, positions in each layer's buffer; ``W`` tokens a row in this forward.
@@ -53,9 +61,20 @@ from .ragged_kv import RaggedKVCache, rows_mask, write_positions
 
 KEPT = 48  # compiled graphs kept (scope x rows x width x capacity); the least recently used goes first
 ROW_ENV = "MLXSPEC_COMPILED_VERIFY"
-row_verify = os.environ.get(ROW_ENV, "1") != "0"  # a single request's verifies compiled (read once)
-# ... and those of GatedDeltaNet hybrids too (``=hybrid``): exact on the CPU, not yet timed on a GPU
-hybrid_verify = os.environ.get(ROW_ENV, "") == "hybrid"
+
+
+def verify_modes(value: str | None) -> tuple[bool, bool]:
+    """What ``MLXSPEC_COMPILED_VERIFY=VALUE`` asks: (a single request's verifies compiled, a
+    GatedDeltaNet hybrid's too). Unset: both; ``0``: neither; ``kv``: attention-only targets
+    only; ``hybrid`` (its old opt-in) or anything else: both."""
+    value = (value or "1").strip().lower()
+    return value != "0", value not in ("0", "kv")
+
+
+row_verify, hybrid_verify = verify_modes(os.environ.get(ROW_ENV))  # read once, at import
+PLAIN_ENV = "MLXSPEC_COMPILED_PLAIN"
+# a plain one-token step through the same graph (width 1) where verifies are compiled
+plain_steps = os.environ.get(PLAIN_ENV, "1") != "0"
 MAX_ROW_WIDTH = 17  # the widest single-request verify compiled: 16 drafts and the last token
 TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
 # Positions a request's KV buffers grow by while its verifies are compiled (mlx-lm's KVCache: 256).
@@ -160,7 +179,7 @@ class CompiledForward:
         start = kv[0].offset
         assert all(c.offset == start for c in kv), [c.offset for c in kv]
         for c in kv:
-            _room(c, start + W)
+            make_room(c, start + W)
         capacity = kv[0].keys.shape[2]
         assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
         kinds = tuple(0 if type(c) is KVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
@@ -178,7 +197,7 @@ class CompiledForward:
         states, tapes = iter(states), iter(tapes)
         for c in recurrent:
             c.cache = [next(states) for _ in c.cache]
-            taped = Tape(*(next(tapes) for _ in range(TAPED_ARRAYS)))
+            taped = Tape(*(next(tapes) for _ in range(TAPED_ARRAYS))) if W > 1 else None
             c.advance(W)
             if getattr(c, "record_tape", False):
                 c.tape = taped
@@ -207,10 +226,10 @@ class CompiledForward:
         for n in kinds:
             if n == 0:
                 layers.append(StaticKV(*next(kv), offset, at))
-            else:  # a GatedDeltaNet layer's state, taped as a verify tapes it
+            else:  # a GatedDeltaNet layer's state, taped as a verify tapes it (a plain step is not)
                 c = ArraysCache(n)
                 c.cache = [next(arrays) for _ in range(n)]
-                c.record_tape = True
+                c.record_tape = W > 1
                 layers.append(c)
                 recurrent.append(c)
         if trunk is None:
@@ -219,7 +238,8 @@ class CompiledForward:
             h = trunk.body(inputs, cache=layers)
             logits, hidden = trunk.head(h), [h]
         statics = [c for c in layers if isinstance(c, StaticKV)]
-        tapes = [a for c in recurrent for a in (c.tape.conv_input, c.tape.q, c.tape.k, c.tape.v, c.tape.a, c.tape.b)]
+        tapes = [a for c in recurrent if c.record_tape
+                 for a in (c.tape.conv_input, c.tape.q, c.tape.k, c.tape.v, c.tape.a, c.tape.b)]
         return (logits, hidden, [c.keys for c in statics], [c.values for c in statics],
                 [a for c in recurrent for a in c.cache], tapes)
 
@@ -245,7 +265,7 @@ def compiles_rows(cache: list, taped: list | None = None) -> bool:
             and taped is not None and len(taped) == len(recurrent))
 
 
-def _room(c: KVCache, extent: int) -> None:
+def make_room(c: KVCache, extent: int) -> None:
     """Grow C's buffers to hold EXTENT positions, in KVCache's steps, keeping what they hold."""
     held = c.keys.shape[2]
     if extent <= held:
