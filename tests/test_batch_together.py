@@ -174,12 +174,7 @@ def kind(request, tmp_path_factory):
     else:
         path = tiny_mtp.write_nextn_checkpoint(out, "deepseek_v3", vocab_size=32, seed=2, hidden_size=32,
                                                intermediate_size=64, moe_intermediate_size=16, q_lora_rank=16)
-        weights = mx.load(str(path / "model.safetensors"))
-        mx.eval(weights)
-        layer = {k: v for k, v in weights.items() if k.startswith("model.layers.2.")}
-        mx.save_safetensors(str(path / "model.safetensors"), {k: v for k, v in weights.items() if k not in layer},
-                            metadata={"format": "pt"})
-        mx.save_safetensors(str(path / "mtp.safetensors"), layer, metadata={"format": "pt"})
+        tiny_mtp.nextn_to_sidecar(path)
     model, _, config = mlx_lm.load(str(path), return_config=True)
     head = load_mtp_head(model, path, config)
     return MTPDrafter, lambda prompt, **kw: mtp_row(model, head, prompt, **kw)

@@ -54,13 +54,7 @@ def ds_path(tmp_path_factory):
     path = tiny_mtp.write_nextn_checkpoint(tmp_path_factory.mktemp("ds"), "deepseek_v3", vocab_size=VOCAB,
                                        seed=2, hidden_size=32, intermediate_size=64,
                                        moe_intermediate_size=16, q_lora_rank=16)
-    weights = mx.load(str(path / "model.safetensors"))
-    mx.eval(weights)
-    head = {k: v for k, v in weights.items() if k.startswith("model.layers.2.")}
-    trunk = {k: v for k, v in weights.items() if k not in head}
-    mx.save_safetensors(str(path / "model.safetensors"), trunk, metadata={"format": "pt"})
-    mx.save_safetensors(str(path / "mtp.safetensors"), head, metadata={"format": "pt"})
-    return path
+    return tiny_mtp.nextn_to_sidecar(path)
 
 
 @pytest.fixture(scope="module")

@@ -226,3 +226,20 @@ def write_nextn_checkpoint(out_dir, model_type: str = "deepseek_v3", *, vocab_si
     save_safetensors(out_dir / "model.safetensors", weights, dtype)
     write_config_files(out_dir, config, eos_ids, special_ids[PAD_TOKEN])
     return out_dir
+
+
+def nextn_to_sidecar(path: Path) -> Path:
+    """Move PATH's NextN layer (model.layers.{N}.*, N the trunk's layer count) from
+    model.safetensors into an mtp.safetensors sidecar: mlx-lm reads only model*.safetensors, so
+    a deepseek_v3 trunk of any depth then loads as is."""
+    import mlx.core as mx
+
+    path = Path(path)
+    n = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.eval(weights)
+    head = {k: v for k, v in weights.items() if k.startswith(f"model.layers.{n}.")}
+    mx.save_safetensors(str(path / "model.safetensors"), {k: v for k, v in weights.items() if k not in head},
+                        metadata={"format": "pt"})
+    mx.save_safetensors(str(path / "mtp.safetensors"), head, metadata={"format": "pt"})
+    return path

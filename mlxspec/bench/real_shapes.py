@@ -80,20 +80,25 @@ def forward_ms(model, widths, context: int, reps: int, vocab: int) -> dict[int, 
 
 
 def mtp_step_ms(head, context: int, reps: int) -> float:
-    """Median ms of one MTP head draft step (its layer, the lm_head, a greedy pick)."""
+    """Median ms of one MTP head draft step (its layer, the lm_head, a greedy pick), as the
+    drafter runs it: compiled with ``MLXSPEC_COMPILED_HEAD=1`` (``engine/compiled_head.py``)."""
     import mlx.core as mx
 
     from ..engine.costs import call_times
 
+    from ..engine.compiled_head import CompiledHead, head_forward
+
     cache = head.make_cache()
+    if CompiledHead.wanted(cache):
+        CompiledHead.prepare(cache)
     hidden_size = head.module.fc.weight.shape[0]
     rows = mx.zeros((context, hidden_size), mx.bfloat16)
     mx.eval(head.forward(mx.arange(context).astype(mx.uint32), rows, cache))
     state = {"last": rows[-1:], "token": 0}  # each step feeds the previous step's hidden row
 
-    def step():
+    def step():  # as the drafter runs it (compiled where that is on)
         state["token"] += 1
-        logits, state["last"] = head.step(mx.array([state["token"]], mx.uint32), state["last"], cache)
+        state["last"], logits = head_forward(head, mx.array([state["token"]], mx.uint32), state["last"], cache)
         mx.eval(mx.argmax(logits, axis=-1), state["last"])
 
     # one untimed step first: the first call compiles kernels for the new shape

@@ -13,6 +13,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..engine.cache import ModelState
+from ..engine.compiled_head import CompiledHead, head_forward
 from ..engine.context_cost import measure_context_cost
 from ..engine.costs import call_times, measure_verify_cost, verify_times
 from ..engine.drafters.assistant import AssistantDrafter
@@ -51,6 +52,8 @@ def mtp_cost(target, head, vocab: int, context: int = 128, reps: int = 5) -> flo
     tokens = [(7 * i) % vocab for i in range(context)]
     hidden = state.prefill(tokens)
     cache = head.make_cache()
+    if CompiledHead.wanted(cache):
+        CompiledHead.prepare(cache)
     _, hid = head.step(mx.array(tokens[1:], mx.uint32), hidden[:-1], cache)
     mx.eval(hid)
     token = mx.array([5 % vocab], mx.uint32)
@@ -60,7 +63,8 @@ def mtp_cost(target, head, vocab: int, context: int = 128, reps: int = 5) -> flo
         for c in cache:
             c.trim(1)
 
-    steps = call_times(lambda: mx.eval(head.step(token, last, cache, step=1)), reps, warmup=1,
+    # the step as the drafter runs it (compiled where that is on)
+    steps = call_times(lambda: mx.eval(head_forward(head, token, last, cache, step=1)), reps, warmup=1,
                        after=drop_step)
     return statistics.median(steps) / one_token_seconds(target, context, reps, vocab)
 

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from ...models.mtp.head import MTPHead
 from ..cache import merged_caches, model_nbytes, restore_caches, snapshot_caches
+from ..compiled_head import CompiledHead, head_forward
 from ..sampling import SamplingParams
 from .base import Draft, Drafter, chain_draft, joined_rows, sample_chain
 
@@ -45,6 +46,8 @@ class MTPDrafter(Drafter):
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self.cache = self.head.make_cache()
+        if CompiledHead.wanted(self.cache):
+            CompiledHead.prepare(self.cache)
         self.pairs = 0  # committed pairs in the head's cache: (h_t, x_{t+1}) for t < pairs
         self._rows = []  # trunk rows h_t for t = pairs, pairs+1, ... not committed yet
         self.gap = 0  # pairs counted in `pairs` but absent from the head's cache
@@ -92,8 +95,15 @@ class MTPDrafter(Drafter):
     def _pending(self) -> mx.array | None:
         return joined_rows(self._rows)
 
-    def _commit(self, tokens: list[int], upto: int, chunk: int | None = None) -> mx.array | None:
-        """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last one.
+    def _forward(self, tokens: mx.array, rows: mx.array, step: int = 0) -> tuple[mx.array, mx.array]:
+        """The head over pairs (rows (n, H), tokens (n,)) at draft step STEP: (its hidden (n, H),
+        the logits (1, V) of the last row), as one compiled graph where it applies
+        (``compiled_head.py``), else op by op."""
+        return head_forward(self.head, tokens, rows, self.cache, step)
+
+    def _commit(self, tokens: list[int], upto: int, chunk: int | None = None) -> tuple[mx.array, mx.array] | None:
+        """Feed the head pairs t = pairs .. upto-1; returns its hidden for the last forward's
+        pairs and the logits (1, V) of the last pair (None: nothing fed, or rows missing).
 
         Up to ONE_PIECE pairs go in one forward (a verify's accepted tokens); more go in
         power-of-two pieces of at most ``chunk``, then the rest: MLX's CUDA backend builds
@@ -110,7 +120,10 @@ class MTPDrafter(Drafter):
             if n > ONE_PIECE:
                 n = 1 << (min(n, chunk or n).bit_length() - 1)
             new_tokens = mx.array(tokens[self.pairs + 1 : self.pairs + 1 + n], mx.uint32)
-            out = self.head.forward(new_tokens, rows[:n], self.cache)
+            if chunk is None:
+                out = self._forward(new_tokens, rows[:n])
+            else:  # a prompt's pairs, whose logits no one reads
+                out = (self.head.forward(new_tokens, rows[:n], self.cache), None)
             self.pairs += n
             self._rows = [rows[n:]] if rows.shape[0] > n else []
             if chunk is not None:
@@ -128,14 +141,15 @@ class MTPDrafter(Drafter):
         if not self._can_propose(tokens, k):
             return None
         # Commit the new pairs t = pairs .. last-1 (one forward), then chain k drafts.
-        hid = self._commit(tokens, len(tokens) - 1)
+        hid, logits = self._commit(tokens, len(tokens) - 1)
         last_hidden = [hid[-1:]]  # the head's own output feeds the next chain step
 
         def step(i, tok):
-            logits, last_hidden[0] = self.head.step(tok, last_hidden[0], self.cache, step=i)
+            out, logits = self._forward(tok, last_hidden[0], step=i)
+            last_hidden[0] = out
             return logits
 
-        return sample_chain(self.head.logits(last_hidden[0]), k, sampling, step)
+        return sample_chain(logits, k, sampling, step)
 
     def rollback(self, committed: int) -> None:
         # Only the chain is speculative: keep the committed pairs.
@@ -193,7 +207,7 @@ def commit_rows(drafters: list[MTPDrafter], tokens: list[list[int]]) -> tuple[mx
     counts = [len(t) - 1 - d.pairs for d, t in zip(drafters, tokens, strict=True)]
     assert min(counts) >= 1, counts
     if max(counts) > ONE_PIECE:
-        return mx.concatenate([d._commit(t, len(t) - 1)[-1:] for d, t in zip(drafters, tokens)]), None
+        return mx.concatenate([d._commit(t, len(t) - 1)[0][-1:] for d, t in zip(drafters, tokens)]), None
     width = max(counts)
     pending = [d._pending() for d in drafters]
     inputs = mx.array([t[d.pairs + 1 : d.pairs + 1 + n] + [t[-1]] * (width - n)
