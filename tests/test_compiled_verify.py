@@ -229,7 +229,7 @@ def test_a_changed_script_needs_a_scope_of_its_own():
     assert argmax() == [7, 7, 7] and made.traced == traced + 1
 
 
-def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_calls):
+def test_a_batch_row_alone_steps_compiled_as_a_single_request(model, row_calls):
     from mlx_lm.models.cache import KVCache
 
     from mlxspec.engine.batch_cache import RaggedCache
@@ -241,7 +241,7 @@ def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_call
         cache = RaggedCache(model)
         cache.join(row)
         both.append(cache)
-    for width in (2, 5, 9):
+    for width in (1, 2, 5, 9):  # a plain step, then verifies
         x = mx.array([[(7 * j + width) % VOCAB for j in range(width)]])
         compiled_forward.row_verify = True
         a, ha, _ = both[0].forward(x, hidden=True)
@@ -251,7 +251,7 @@ def test_a_batch_row_alone_verifies_compiled_as_a_single_request(model, row_call
         assert mx.array_equal(a, b).item() and mx.array_equal(ha, hb).item(), width
         for cache in both:
             cache.rollback([width - 1])
-    assert row_calls == [2, 5, 9]
+    assert row_calls == [1, 2, 5, 9]
 
 
 @pytest.mark.parametrize("held_elsewhere", [False, True])

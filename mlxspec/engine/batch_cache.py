@@ -166,7 +166,8 @@ class RaggedCache:
 
     def _compiles_row(self, inputs: mx.array, capture: LayerCapture | None) -> bool:
         B, W = inputs.shape
-        return (compiled_forward.row_verify and B == 1 and 2 <= W <= compiled_forward.MAX_ROW_WIDTH
+        least = 1 if compiled_forward.plain_steps else 2  # a plain step too, as a single request's
+        return (compiled_forward.row_verify and B == 1 and least <= W <= compiled_forward.MAX_ROW_WIDTH
                 and capture is None and compiled_forward.compiles_rows(self.layers)
                 and self.layers[0].keys is not None and not capturing(self.model))
 
