@@ -84,9 +84,8 @@ def mtp_step_ms(head, context: int, reps: int) -> float:
     drafter runs it: compiled with ``MLXSPEC_COMPILED_HEAD=1`` (``engine/compiled_head.py``)."""
     import mlx.core as mx
 
-    from ..engine.costs import call_times
-
     from ..engine.compiled_head import CompiledHead, head_forward
+    from ..engine.costs import call_times
 
     cache = head.make_cache()
     if CompiledHead.wanted(cache):

@@ -282,7 +282,8 @@ class ModelState:
 
     @property
     def compiles_verifies(self) -> bool:
-        """Whether this state's verifies (2..MAX_ROW_WIDTH tokens) run as compiled graphs."""
+        """Whether this state's verifies (2..MAX_ROW_WIDTH tokens) run as compiled graphs (and its
+        plain one-token steps, unless ``MLXSPEC_COMPILED_PLAIN=0``)."""
         return self._compiled is not None and compiled_forward.row_verify
 
     def _compiles(self, n: int) -> bool:
