@@ -113,6 +113,7 @@ def test_run_real_shapes_cells_are_identical_and_complete():
     assert any(c["temperature"] == 0.7 for c in cells)
     shape = result["shapes"][0]
     assert set(shape["forward_ms"]) >= {"1", "2", "9"} and shape["draft_step_ms"]["mlxspec-mtp"] > 0
+    assert shape["compiled_graphs"]["traced"] > 0 and shape["compiled_graphs"]["tracing_calls_s"] > 0
 
 
 def test_cli_real_shapes_json_and_errors(tmp_path):
