@@ -45,14 +45,15 @@ def _forward(state: ModelState, tokens: mx.array, compiled: bool) -> tuple[mx.ar
     return logits, state.hidden
 
 
-def _run(model, seed: int, steps: int = 40) -> int:
-    """Two states of MODEL side by side, one compiling its verifies; asserts every forward's
-    logits and hidden rows equal and returns how many verifies of 2+ tokens it compared."""
+def _run(model, seed: int, steps: int = 40, capture: tuple[int, ...] | None = None) -> int:
+    """Two states of MODEL side by side, one compiling its steps; asserts every forward's
+    logits and hidden rows (with CAPTURE: the captured layers' outputs) equal and returns how
+    many forwards it compared that were compiled."""
     rng = random.Random(seed)
     step_was = compiled_forward.ROW_STEP
     compiled_forward.ROW_STEP = 256  # buffers grow (and graphs change capacity) within the run
     try:
-        both = [ModelState(model, keep_hidden=True), ModelState(model, keep_hidden=True)]
+        both = [ModelState(model, keep_hidden=capture is None, capture=capture) for _ in range(2)]
     finally:
         compiled_forward.ROW_STEP = step_was
     prompt = [(3 * t + seed) % VOCAB for t in range(rng.randrange(200, 250))]
@@ -82,9 +83,9 @@ def row_calls(monkeypatch) -> list[int]:
     """The widths ``CompiledForward.row`` ran, in order."""
     calls, real = [], CompiledForward.row
 
-    def counted(self, tokens, layers, trunk=None):
+    def counted(self, tokens, layers, trunk=None, capture=None):
         calls.append(tokens.shape[0])
-        return real(self, tokens, layers, trunk)
+        return real(self, tokens, layers, trunk, capture)
 
     monkeypatch.setattr(CompiledForward, "row", counted)
     return calls
@@ -105,6 +106,33 @@ def test_a_hybrids_compiled_verify_equals_op_by_op_with_its_tapes(tiny_qwen3_5, 
     assert ModelState(hybrid)._compiled is not None
     compared = _run(hybrid, seed, steps=25)
     assert compared > 5 and len(row_calls) == compared
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_a_capturing_states_compiled_steps_give_the_same_layer_outputs(model, tiny_qwen3_5, which, row_calls):
+    """A DFlash drafter's target (``capture``): the graph gives the chosen layers' outputs back
+    as outputs of its own, equal to the op-by-op forward's bit for bit, with the logits."""
+    target, ids = (model, (0, 2)) if which == "dense" else (mlx_lm.load(str(tiny_qwen3_5))[0], (1, 3))
+    compared = _run(target, 1, steps=25, capture=ids)
+    assert compared > 5 and len(row_calls) == compared
+
+
+def test_a_planted_wrong_capture_is_caught(model, monkeypatch):
+    """Captured outputs that come back other than the layers gave them (here their features
+    reversed, in the compiled graph only) fail the comparison."""
+    real = CompiledForward._forward
+
+    def reversed_capture(self, trunk, kinds, capture, *args):
+        out = real(self, trunk, kinds, capture, *args)
+        return (out[0], [h[..., ::-1] for h in out[1]], *out[2:]) if capture is not None else out
+
+    monkeypatch.setattr(CompiledForward, "_forward", reversed_capture)
+    CompiledForward.of(model).forget()
+    try:
+        with pytest.raises(AssertionError):
+            _run(model, 1, steps=10, capture=(0, 2))
+    finally:
+        CompiledForward.of(model).forget()
 
 
 def test_a_planted_wrong_tape_is_caught(tiny_qwen3_5, monkeypatch):
@@ -161,8 +189,8 @@ def test_only_verifies_that_apply_are_compiled(model, tiny_swa, tiny_qwen3_5, mo
     mx.eval(state.forward(mx.array([1], mx.uint32)))  # a plain step, compiled by default
     mx.eval(state.forward(mx.array([1, 2], mx.uint32)))
     assert made.traced == traced + 2
-    capturing = ModelState(model, capture=(1,))
-    assert capturing._compiled is None
+    capturing = ModelState(model, capture=(1,))  # a DFlash drafter's: captured as graph outputs
+    assert capturing._compiled is not None
     capturing.close()
     assert ModelState(mlx_lm.load(str(tiny_swa))[0])._compiled is None  # a sliding window
     monkeypatch.setattr(compiled_forward, "hybrid_verify", False)  # GatedDeltaNet layers, =kv
@@ -184,6 +212,23 @@ def test_the_loop_compiles_its_verifies_and_keeps_the_greedy_tokens(tiny_llama, 
         out.extend(new)
     assert out[:48] == ref
     assert len(row_calls) >= stats.verify_steps > 0
+
+
+def test_a_dflash_loop_verifies_compiled_and_keeps_the_greedy_tokens(vocab8_dflash, row_calls):
+    """The DFlash drafter reads the target's layer outputs (a capture): its chains' verifies and
+    plain steps go through the graph, and the tokens stay plain decoding's."""
+    from mlx_lm.generate import generate_step
+
+    target, drafter_model = vocab8_dflash
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    ref = [t for (t, _), _ in zip(generate_step(mx.array(prompt), target, max_tokens=40), range(40))]
+    # chains (tree=0): a tree's verify stays op by op (its mask is the tree's)
+    dec = SpeculativeDecoder(target, draft_model=drafter_model, drafter="dflash", depth=3, gates=False, tree=0)
+    out, stats = [], None
+    for new, stats in dec.generate(prompt, sampling=SamplingParams(0.0), max_tokens=40):
+        out.extend(new)
+    assert out == ref and stats.drafter == "dflash"
+    assert len(row_calls) >= stats.verify_steps > 5
 
 
 @pytest.mark.parametrize("shape", ["smoke", "smoke-hybrid"])

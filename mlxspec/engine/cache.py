@@ -180,9 +180,9 @@ class ModelState:
         self._taped = tape_layers(model, self.cache) if self._arrays else None
         # Verifies of an attention-only target or a taped GatedDeltaNet hybrid run as one
         # compiled graph a (width, capacity): on CUDA a verify's host time is most of its cost
-        # (compiled_forward.py). Layer hooks (a capture) run only while a graph is traced, so a
-        # capturing state never compiles.
-        compiles = self._capture is None and compiled_forward.compiles_rows(self.cache, self._taped)
+        # (compiled_forward.py). Layer hooks (a DFlash drafter's capture) run only while a graph
+        # is traced, so the graph gives the captured outputs back as outputs of its own.
+        compiles = compiled_forward.compiles_rows(self.cache, self._taped)
         self._compiled = compiled_forward.CompiledForward.of(model) if compiles else None
         for c in self._trimmable if compiles else ():
             c.step = compiled_forward.ROW_STEP  # fewer capacities, fewer graphs traced
@@ -294,8 +294,8 @@ class ModelState:
 
     def _verify(self, tokens: mx.array) -> mx.array:
         """``feed`` of a verify's tokens through the compiled graph: the same logits and hidden rows."""
-        logits, hidden = self._compiled.row(tokens, self.cache, self._trunk)
-        if self._trunk is not None:
+        logits, hidden = self._compiled.row(tokens, self.cache, self._trunk, self._capture)
+        if self._trunk is not None or self._capture is not None:
             self.hidden = hidden
         return logits
 

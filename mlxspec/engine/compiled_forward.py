@@ -55,6 +55,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..models.gdn_tape import Tape
+from ..models.layer_capture import LayerCapture
 from ..models.sharding import launched
 from ..models.trunk import Trunk
 from .ragged_kv import RaggedKVCache, rows_mask, write_positions
@@ -155,7 +156,7 @@ class CompiledForward:
         capacity = layers[0].keys.shape[2]
         assert all(c.keys.shape[2] == capacity for c in layers), [c.keys.shape for c in layers]
         traced, t0 = self.traced, time.perf_counter()
-        graph = self._graph((B, W, capacity, inputs.dtype), partial(self._forward, None, (0,) * len(layers)))
+        graph = self._graph((B, W, capacity, inputs.dtype), partial(self._forward, None, (0,) * len(layers), None))
         logits, _, keys, values, _, _ = graph(inputs, offset, [c.keys for c in layers], [c.values for c in layers], [])
         if self.traced > traced:
             self.trace_s += time.perf_counter() - t0
@@ -164,15 +165,18 @@ class CompiledForward:
             c.advance(k, v, W, after)
         return logits
 
-    def row(self, tokens: mx.array, layers: list,
-            trunk: Trunk | None = None) -> tuple[mx.array, mx.array | None]:
+    def row(self, tokens: mx.array, layers: list, trunk: Trunk | None = None,
+            capture: LayerCapture | None = None) -> tuple[mx.array, mx.array | None]:
         """One request's verify: logits (W, V) of TOKENS (W,) over its own caches LAYERS (one a
         layer: ``KVCache``s every one at the same offset, and a hybrid's GatedDeltaNet
         ``ArraysCache``s, taped layers), and with TRUNK (a model cut at its final norm) the hidden
-        rows (W, H) too. Each KV layer then holds W more tokens, as ``update_and_fetch`` leaves
-        it (the buffer past them keeps whatever it held: a trim moves the offset only); each
-        recurrent layer holds its state after the W tokens and, where ``record_tape`` is set,
-        the :class:`~mlxspec.models.gdn_tape.Tape` a rollback replays."""
+        rows (W, H) too, or with CAPTURE (a DFlash drafter's layers, not pipelined) the captured
+        layers' outputs (W, len(ids) * H), as its ``take`` gives them. Each KV layer then holds
+        W more tokens, as ``update_and_fetch`` leaves it (the buffer past them keeps whatever it
+        held: a trim moves the offset only); each recurrent layer holds its state after the W
+        tokens and, where ``record_tape`` is set, the :class:`~mlxspec.models.gdn_tape.Tape` a
+        rollback replays."""
+        assert trunk is None or capture is None
         W = tokens.shape[0]
         kv = [c for c in layers if type(c) is KVCache]
         recurrent = [c for c in layers if type(c) is not KVCache]
@@ -184,8 +188,10 @@ class CompiledForward:
         assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
         kinds = tuple(0 if type(c) is KVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
         traced, t0 = self.traced, time.perf_counter()
-        key = ("row", W, capacity, kv[0].keys.dtype, trunk is not None, kinds)
-        graph = self._graph(key, partial(self._forward, trunk, kinds))
+        ids = None if capture is None else capture.ids
+        key = ("row", W, capacity, kv[0].keys.dtype, trunk is not None, kinds, ids)
+        # the capture's layers keep their outputs only while the graph is traced, as outputs of it
+        graph = self._graph(key, partial(self._forward, trunk, kinds, capture))
         logits, hidden, keys, values, states, tapes = graph(
             tokens[None], mx.array([start], mx.int32), [c.keys for c in kv], [c.values for c in kv],
             [a for c in recurrent for a in c.cache])
@@ -214,11 +220,13 @@ class CompiledForward:
         self._graphs[key] = graph
         return graph
 
-    def _forward(self, trunk: Trunk | None, kinds: tuple[int, ...], inputs: mx.array, offset: mx.array,
-                 keys: list[mx.array], values: list[mx.array], states: list[mx.array]) -> tuple:
+    def _forward(self, trunk: Trunk | None, kinds: tuple[int, ...], capture: LayerCapture | None,
+                 inputs: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array],
+                 states: list[mx.array]) -> tuple:
         """The traced forward of INPUTS (B, W) over caches of KINDS (a layer each: 0 a KV layer,
         written at OFFSET through a :class:`StaticKV`; n a GatedDeltaNet layer's n state arrays,
-        taped): (logits, [hidden] with TRUNK else [], keys, values, states, tapes)."""
+        taped): (logits, [hidden] with TRUNK, [captured rows] with CAPTURE, else [], keys,
+        values, states, tapes)."""
         W = inputs.shape[1]
         at = write_positions(offset, W)
         kv, arrays = iter(zip(keys, values, strict=True)), iter(states)
@@ -232,7 +240,11 @@ class CompiledForward:
                 c.record_tape = W > 1
                 layers.append(c)
                 recurrent.append(c)
-        if trunk is None:
+        if capture is not None:
+            capture.attach()
+            logits = self.model(inputs, cache=layers)
+            hidden = [capture.take(batched=True)]
+        elif trunk is None:
             logits, hidden = self.model(inputs, cache=layers), []
         else:
             h = trunk.body(inputs, cache=layers)

@@ -85,6 +85,7 @@ class LayerCapture:
         bad = [i for i in ids if not 0 <= i < total]
         if bad:
             raise DrafterError(f"the drafter reads target layers {list(ids)}, but the target has {total}")
+        self.ids = tuple(ids)
         self.pipelined = len(held) < total
         self.hidden_size = getattr(getattr(model, "args", None), "hidden_size", None)
         if self.pipelined and not isinstance(self.hidden_size, int):  # the zeros for others' layers need it
