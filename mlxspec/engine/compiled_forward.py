@@ -38,6 +38,10 @@ shape, 4-bit, 1,024 tokens of context, ``diag_compiled_verify.py``): a waited ve
 2 / 4 tokens took 23.8 / 24.0 ms against 33.9 / 35.5 op by op, and the mtp-like cell went from
 1.23x to 1.83x stock mlx-lm. ``MLXSPEC_COMPILED_VERIFY=kv`` keeps it to attention-only targets.
 
+A DFlash drafter's target (a :class:`~mlxspec.models.layer_capture.LayerCapture`) is compiled as
+well: the capture is attached while the graph is traced, and the chosen layers' outputs are
+outputs of the graph.
+
 Terms: ``offset`` (B,) int32, row b's tokens before this forward (``RaggedKVCache.offset``);
 ``capacity`` C, positions in each layer's buffer; ``W`` tokens a row in this forward.
 """
