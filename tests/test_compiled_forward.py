@@ -128,3 +128,12 @@ def test_a_forward_with_a_capture_attached_is_not_traced(model):
     got = capture.take(batched=True)
     assert got.shape == (2, 3, 32)
     mx.eval(got)  # real outputs, not a trace's placeholders
+
+
+def test_the_batch_compiles_when_switched_on(model, monkeypatch):
+    """``MLXSPEC_COMPILED_BATCH=1`` (read at import: ``compiled_forward.batch_forward``) is what a
+    batch made without ``compiled`` follows; off by default."""
+    assert RaggedCache(model).compiled is None
+    monkeypatch.setattr(compiled_forward, "batch_forward", True)
+    assert RaggedCache(model).compiled is not None
+    assert RaggedCache(model, compiled=False).compiled is None

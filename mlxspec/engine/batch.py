@@ -221,14 +221,15 @@ class BatchedDecoder:
     """Rows join (:meth:`add`) and leave between steps; :meth:`step` advances them all."""
 
     def __init__(self, model: nn.Module, max_rows: int, prefill_step: int = 512, draft_together: bool = True,
-                 pipeline: bool = True, compiled: bool = False):
+                 pipeline: bool = True, compiled: bool | None = None):
         if max_rows < 1:
             raise UsageError(f"a batch needs at least one row (got {max_rows})")
         self.model = model
         self.max_rows = max_rows
         self.prefill_step = prefill_step
         self.draft_together = draft_together  # rows draft in one call (draft_together); False: one by one
-        self.cache = RaggedCache(model, compiled)  # compiled: the forwards from compiled graphs (batch_cache.py)
+        # compiled: the forwards from compiled graphs (batch_cache.py; None: MLXSPEC_COMPILED_BATCH)
+        self.cache = RaggedCache(model, compiled)
         self._captures: dict[tuple, LayerCapture] = {}  # per set of layers rows read (DFlash)
         self.rows: list[Row] = []  # in the cache's row order
         self.joining: deque[Row] = deque()

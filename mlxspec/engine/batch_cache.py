@@ -62,13 +62,15 @@ class RaggedCache:
     """Per layer a ``RaggedKVCache`` or a batched ``ArraysCache``; rows join (their own
     prefilled caches), leave, and roll back by their own amounts."""
 
-    def __init__(self, model: nn.Module, compiled: bool = False):
+    def __init__(self, model: nn.Module, compiled: bool | None = None):
         self.model = model
         # COMPILED: attention-only rows' logits from one compiled graph a shape
-        # (compiled_forward.py). Off by default: on an H200 it cut the host's build of a 4-row
-        # step from 5.2 to 2.1 ms, but the step then waited on the device and the batch's tok/s
-        # did not move (docs/benchmarks.md); a fresh CUDA machine also compiles its fused kernels
-        # once (about a minute). None: mlx-lm's forward, built op by op.
+        # (compiled_forward.py). Off by default (None: ``MLXSPEC_COMPILED_BATCH=1`` turns it on):
+        # on an H200 it cut the host's build of a 4-row step from 5.2 to 2.1 ms, but the step then
+        # waited on the device and the batch's tok/s did not move (docs/benchmarks.md); a fresh
+        # CUDA machine also compiles its fused kernels once (about a minute). Not compiled:
+        # mlx-lm's forward, built op by op.
+        compiled = compiled_forward.batch_forward if compiled is None else compiled
         self.compiled = CompiledForward.of(model) if compiled else None
         self.layers: list | None = None
         self._gdn = None  # the taped GatedDeltaNet layers, in the order of the recurrent caches

@@ -80,6 +80,10 @@ row_verify, hybrid_verify = verify_modes(os.environ.get(ROW_ENV))  # read once, 
 PLAIN_ENV = "MLXSPEC_COMPILED_PLAIN"
 # a plain one-token step through the same graph (width 1) where verifies are compiled
 plain_steps = os.environ.get(PLAIN_ENV, "1") != "0"
+BATCH_ENV = "MLXSPEC_COMPILED_BATCH"
+# a batch of several rows' forward from a compiled graph (RaggedCache's default; off: measured no
+# gain on an H200 before the tensor-core verify matmul, not measured since)
+batch_forward = os.environ.get(BATCH_ENV, "0").strip() not in ("", "0")
 MAX_ROW_WIDTH = 17  # the widest single-request verify compiled: 16 drafts and the last token
 TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
 # Positions a request's KV buffers grow by while its verifies are compiled (mlx-lm's KVCache: 256).
