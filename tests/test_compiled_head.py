@@ -113,12 +113,12 @@ def test_a_planted_write_one_position_early_is_caught(model_and_head, compiled_c
     _, head = model_and_head
     real = compiled_head.write_positions
     monkeypatch.setattr(compiled_head, "write_positions", lambda offset, n: real(offset - 1, n))
-    CompiledHead.of(head)._graphs.clear()
+    CompiledHead.of(head).graphs.clear()
     try:
         with pytest.raises(AssertionError):
             _side_by_side(head, seed=3, temperature=0.0, steps=12)
     finally:
-        CompiledHead.of(head)._graphs.clear()
+        CompiledHead.of(head).graphs.clear()
 
 
 def test_the_loop_drafts_through_the_graphs_and_stays_exact(model_and_head, compiled_calls):

@@ -340,3 +340,15 @@ def test_a_long_run_traces_few_graphs():
         out.extend(new)
     assert out == script.continuation[:1200] and stats.verify_steps > 100
     assert made.traced <= 18, made.traced
+
+
+def test_the_switches_read_off_on_and_their_defaults(monkeypatch):
+    """``MLXSPEC_COMPILED_PLAIN`` / ``_BATCH`` / ``_HEAD``: ``0`` off, anything else on, the
+    default when unset or empty."""
+    for value, default, want in [(None, True, True), ("", False, False), ("0", True, False), (" 0 ", True, False),
+                                 ("1", False, True), ("yes", False, True)]:
+        if value is None:
+            monkeypatch.delenv("MLXSPEC_TEST_SWITCH", raising=False)
+        else:
+            monkeypatch.setenv("MLXSPEC_TEST_SWITCH", value)
+        assert compiled_forward.env_switch("MLXSPEC_TEST_SWITCH", default) is want, (value, default)

@@ -88,8 +88,7 @@ def mtp_step_ms(head, context: int, reps: int) -> float:
     from ..engine.costs import call_times
 
     cache = head.make_cache()
-    if CompiledHead.wanted(cache):
-        CompiledHead.prepare(cache)
+    CompiledHead.prepare(cache)
     hidden_size = head.module.fc.weight.shape[0]
     rows = mx.zeros((context, hidden_size), mx.bfloat16)
     mx.eval(head.forward(mx.arange(context).astype(mx.uint32), rows, cache))

@@ -168,8 +168,7 @@ class RaggedCache:
 
     def _compiles_row(self, inputs: mx.array, capture: LayerCapture | None) -> bool:
         B, W = inputs.shape
-        least = 1 if compiled_forward.plain_steps else 2  # a plain step too, as a single request's
-        return (compiled_forward.row_verify and B == 1 and least <= W <= compiled_forward.MAX_ROW_WIDTH
+        return (B == 1 and compiled_forward.compiles_width(W)  # as a single request's step
                 and capture is None and compiled_forward.compiles_rows(self.layers)
                 and self.layers[0].keys is not None and not capturing(self.model))
 

@@ -288,8 +288,7 @@ class ModelState:
 
     def _compiles(self, n: int) -> bool:
         kv = self._trimmable[0] if self._trimmable else None
-        least = 1 if compiled_forward.plain_steps else 2
-        return (self.compiles_verifies and least <= n <= compiled_forward.MAX_ROW_WIDTH
+        return (self._compiled is not None and compiled_forward.compiles_width(n)
                 and kv is not None and kv.keys is not None and all(c[0] is not None for c in self._arrays))
 
     def _verify(self, tokens: mx.array) -> mx.array:

@@ -76,14 +76,21 @@ def verify_modes(value: str | None) -> tuple[bool, bool]:
     return value != "0", value not in ("0", "kv")
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """Environment variable NAME as an on/off switch: ``0`` off, anything else on, DEFAULT when
+    unset or empty."""
+    value = os.environ.get(name, "").strip()
+    return default if not value else value != "0"
+
+
 row_verify, hybrid_verify = verify_modes(os.environ.get(ROW_ENV))  # read once, at import
 PLAIN_ENV = "MLXSPEC_COMPILED_PLAIN"
 # a plain one-token step through the same graph (width 1) where verifies are compiled
-plain_steps = os.environ.get(PLAIN_ENV, "1") != "0"
+plain_steps = env_switch(PLAIN_ENV, True)
 BATCH_ENV = "MLXSPEC_COMPILED_BATCH"
 # a batch of several rows' forward from a compiled graph (RaggedCache's default; off: measured no
 # gain on an H200 before the tensor-core verify matmul, not measured since)
-batch_forward = os.environ.get(BATCH_ENV, "0").strip() not in ("", "0")
+batch_forward = env_switch(BATCH_ENV, False)
 MAX_ROW_WIDTH = 17  # the widest single-request verify compiled: 16 drafts and the last token
 TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
 # Positions a request's KV buffers grow by while its verifies are compiled (mlx-lm's KVCache: 256).
@@ -91,6 +98,37 @@ TAPED_ARRAYS = 6  # a Tape's arrays: conv input, q, k, v, a, b
 # model's 1,200-token echo run 33 graphs at 256, 15 at 1024. It wastes at most ROW_STEP - 1
 # positions a layer (about 150 MB on Qwen3-8B's shape).
 ROW_STEP = 1024
+
+
+def compiles_width(n: int) -> bool:
+    """Whether a single request's forward of N tokens is one a compiled graph runs (switched on,
+    a plain step only with :data:`plain_steps`, at most :data:`MAX_ROW_WIDTH`): the width half
+    of the choice, the caches' half being :func:`compiles_rows`."""
+    return row_verify and (1 if plain_steps else 2) <= n <= MAX_ROW_WIDTH
+
+
+class Graphs:
+    """Compiled graphs by key, the last KEPT of them (the least recently used goes first):
+    dropping one frees its trace."""
+
+    def __init__(self, kept: int = KEPT):
+        self.kept = kept
+        self._by_key: OrderedDict[tuple, object] = OrderedDict()
+        self.traced = 0  # graphs compiled (each costs a trace in Python)
+
+    def get(self, key: tuple, forward):
+        """KEY's graph, FORWARD compiled for it if it has none."""
+        graph = self._by_key.pop(key, None)
+        if graph is None:
+            graph = mx.compile(forward)
+            self.traced += 1
+            while len(self._by_key) >= self.kept:
+                self._by_key.popitem(last=False)
+        self._by_key[key] = graph
+        return graph
+
+    def clear(self) -> None:
+        self._by_key.clear()
 
 
 class StaticKV:
@@ -134,14 +172,17 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, kept: int = KEPT):
         self.model = model
-        self.kept = kept
-        self._graphs: OrderedDict[tuple, object] = OrderedDict()
-        self.traced = 0  # graphs compiled (each costs a trace of the model in Python)
+        self.graphs = Graphs(kept)
         # what the graphs captured besides their inputs is the same within a scope (the bench's
         # scripted logits table: one scope a script), so each scope keeps graphs of its own
         self.scope: object = None
         self.trace_s = 0.0  # host seconds the calls that traced took
         _MADE.add(self)
+
+    @property
+    def traced(self) -> int:
+        """Graphs compiled (each costs a trace of the model in Python)."""
+        return self.graphs.traced
 
     @classmethod
     def of(cls, model: nn.Module) -> CompiledForward:
@@ -218,15 +259,7 @@ class CompiledForward:
         return logits[0], (hidden[0][0] if hidden else None)
 
     def _graph(self, key: tuple, forward):
-        key = (self.scope, *key)
-        graph = self._graphs.pop(key, None)
-        if graph is None:
-            graph = mx.compile(forward)
-            self.traced += 1
-            while len(self._graphs) >= self.kept:
-                self._graphs.popitem(last=False)
-        self._graphs[key] = graph
-        return graph
+        return self.graphs.get((self.scope, *key), forward)
 
     def _forward(self, trunk: Trunk | None, kinds: tuple[int, ...], capture: LayerCapture | None,
                  inputs: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array],
@@ -267,7 +300,7 @@ class CompiledForward:
         """Drop every graph: what they captured besides their inputs (the weights) changed.
         (What changes with a known tag, such as a bench's script, is better kept apart by
         :attr:`scope`: its graphs are not traced again when it comes back.)"""
-        self._graphs.clear()
+        self.graphs.clear()
 
 
 def compiles_rows(cache: list, taped: list | None = None) -> bool:

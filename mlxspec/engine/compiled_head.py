@@ -21,8 +21,6 @@ Terms: ``n`` pairs (h_t, x_{t+1}) in this forward; ``C`` positions in the head l
 
 from __future__ import annotations
 
-import os
-from collections import OrderedDict
 from functools import partial
 
 import mlx.core as mx
@@ -30,11 +28,11 @@ from mlx_lm.models.cache import KVCache
 
 from ..models.mtp.head import MTPHead
 from ..models.sharding import launched
-from .compiled_forward import KEPT, ROW_STEP, StaticKV, make_room
+from .compiled_forward import KEPT, ROW_STEP, Graphs, StaticKV, env_switch, make_room
 from .ragged_kv import write_positions
 
 HEAD_ENV = "MLXSPEC_COMPILED_HEAD"
-enabled = os.environ.get(HEAD_ENV, "0").strip() not in ("", "0")
+enabled = env_switch(HEAD_ENV, False)
 MAX_PAIRS = 16  # the most pairs one compiled forward takes: a verify's accepted tokens and its last
 
 
@@ -44,9 +42,7 @@ class CompiledHead:
 
     def __init__(self, head: MTPHead, kept: int = KEPT):
         self.head = head
-        self.kept = kept
-        self._graphs: OrderedDict[tuple, object] = OrderedDict()
-        self.traced = 0  # graphs compiled (each costs a trace of the head in Python)
+        self.graphs = Graphs(kept)
 
     @classmethod
     def of(cls, head: MTPHead) -> CompiledHead:
@@ -70,11 +66,12 @@ class CompiledHead:
         entries, its prompt's pairs, go op by op)."""
         return 1 <= pairs <= MAX_PAIRS and cache[step % len(cache)].keys is not None and cls.wanted(cache)
 
-    @staticmethod
-    def prepare(cache: list) -> None:
-        """Grow CACHE's buffers by :data:`~.compiled_forward.ROW_STEP` positions at a time:
-        fewer capacities, fewer graphs traced (as a compiled target's cache)."""
-        for c in cache:
+    @classmethod
+    def prepare(cls, cache: list) -> None:
+        """Where CACHE's forwards are :meth:`wanted` compiled, grow its buffers by
+        :data:`~.compiled_forward.ROW_STEP` positions at a time: fewer capacities, fewer graphs
+        traced (as a compiled target's cache)."""
+        for c in cache if cls.wanted(cache) else ():
             c.step = ROW_STEP
 
     def __call__(self, tokens: mx.array, hidden: mx.array, cache: list, step: int = 0) -> tuple[mx.array, mx.array]:
@@ -87,13 +84,7 @@ class CompiledHead:
         c = cache[i]
         make_room(c, c.offset + n)
         key = (n, c.keys.shape[2], c.keys.dtype, hidden.dtype, i, len(cache))
-        graph = self._graphs.pop(key, None)
-        if graph is None:
-            graph = mx.compile(partial(self._forward, i, len(cache)))
-            self.traced += 1
-            while len(self._graphs) >= self.kept:
-                self._graphs.popitem(last=False)
-        self._graphs[key] = graph
+        graph = self.graphs.get(key, partial(self._forward, i, len(cache)))
         out, logits, c.keys, c.values = graph(tokens, hidden, mx.array([c.offset], mx.int32), c.keys, c.values)
         c.offset += n
         return out, logits

@@ -52,8 +52,7 @@ def mtp_cost(target, head, vocab: int, context: int = 128, reps: int = 5) -> flo
     tokens = [(7 * i) % vocab for i in range(context)]
     hidden = state.prefill(tokens)
     cache = head.make_cache()
-    if CompiledHead.wanted(cache):
-        CompiledHead.prepare(cache)
+    CompiledHead.prepare(cache)
     _, hid = head.step(mx.array(tokens[1:], mx.uint32), hidden[:-1], cache)
     mx.eval(hid)
     token = mx.array([5 % vocab], mx.uint32)

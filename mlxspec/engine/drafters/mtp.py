@@ -46,8 +46,7 @@ class MTPDrafter(Drafter):
 
     def start(self, prompt: list[int], resume=None, at: int = 0) -> None:
         self.cache = self.head.make_cache()
-        if CompiledHead.wanted(self.cache):
-            CompiledHead.prepare(self.cache)
+        CompiledHead.prepare(self.cache)
         self.pairs = 0  # committed pairs in the head's cache: (h_t, x_{t+1}) for t < pairs
         self._rows = []  # trunk rows h_t for t = pairs, pairs+1, ... not committed yet
         self.gap = 0  # pairs counted in `pairs` but absent from the head's cache
