@@ -291,6 +291,32 @@ def test_the_planted_queue_that_ignores_the_drafters_is_caught(spec, alone, monk
     assert sum(got != alone[i] for i, got in finished) >= 1
 
 
+def _gated(stats) -> tuple:
+    return stats.probes, stats.verify_steps, stats.plain_steps, [(e.at_token, e.enabled) for e in stats.gate_events]
+
+
+def test_a_switched_off_head_probes_in_a_batch_as_alone(spec, monkeypatch):
+    """An MTP head that never agrees (a seeded sampled request): alone, its trial proposals and
+    then its probes at growing gaps run beside the queued plain steps. A row alone in a batch,
+    whose plain steps the batch queues, probes at the same tokens (before, a queued step
+    skipped its rows' probes: on trial such a row never left it, switched off it never probed
+    again). Planted: the queued step's probes skipped again."""
+    prompt, options = REQUESTS[8]
+    options = dict(options, max_tokens=80)
+    alone = spec.generate(prompt, reuse=False, **options)
+    assert alone.stats.probes >= 6 and not alone.stats.gate_events[0].enabled, _gated(alone.stats)
+
+    def in_batch():
+        chunks = list(spec.stream_in(spec.batch(2), prompt, reuse=False, **options))
+        return sum((c.tokens for c in chunks), []), chunks[-1].stats
+
+    tokens, stats = in_batch()
+    assert tokens == alone.tokens and _gated(stats) == _gated(alone.stats)
+    monkeypatch.setattr(batch_mod.Row, "probe_beside", lambda self: None)
+    tokens, stats = in_batch()
+    assert stats.probes < alone.stats.probes and _gated(stats) != _gated(alone.stats)
+
+
 def test_the_planted_shared_replay_count_is_caught(hybrid, monkeypatch):
     spec, alone = hybrid
     real = batch_cache.RaggedCache._replay

@@ -157,11 +157,10 @@ class Row:
         remaining = self.output.remaining
         if self.drafter is None or remaining <= 1:
             return Step()
-        self.gate.at_context(len(self.tokens))
-        if self.queued_plain:  # a plain step in flight: a due probe goes beside it, as alone
-            if self.gate.probes_in_flight and probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
-                self.stats.probes += 1
+        if self.queued_plain:
+            self.probe_beside()
             return Step()
+        self.gate.at_context(len(self.tokens))
         k = min(self.gate.depth(), remaining - 1)
         self._sync_gate()
         if k <= 0:
@@ -175,6 +174,15 @@ class Row:
         if draft is None:
             return Step()
         return Step(draft, drafted=len(draft))  # its tokens are read by :meth:`read`
+
+    def probe_beside(self) -> None:
+        """This row's plain step is in flight (the batch queued it, or would have): a due probe
+        goes beside it, as alone (a trial's or a switched-off drafter's; ``gates.probe``)."""
+        if self.drafter is None or self.output.remaining <= 1:
+            return
+        self.gate.at_context(len(self.tokens))
+        if self.gate.probes_in_flight and probe(self.drafter, self.shadow, self.tokens, self.gate.probe_depth()):
+            self.stats.probes += 1
 
     def read(self, step: Step) -> Step:
         """STEP with its drafted tokens read from the device (every row's drafts were queued
@@ -356,6 +364,8 @@ class BatchedDecoder:
         queued, self._queued = self._queued, None
         if queued is not None:  # a plain step queued by the last one: its rows are these
             assert queued.rows == rows
+            for r in rows:  # each row's due probe, queued behind the step in flight
+                r.probe_beside()
             plans, width, hidden = [Step()] * len(rows), 1, queued.hidden
             together = True  # its tokens were sampled on the device, one (B, 1) array
             n_acc, tokens = mx.zeros((len(rows),), mx.int32), queued.tokens

@@ -298,7 +298,10 @@ class SpeculationGate:
     def would_draft(self) -> bool:
         """Cheap guess of whether the next ``depth()`` will be non-zero (for pipelining). A
         probe due counts only for a drafter that cannot probe beside a queued plain step
-        (``Drafter.probes_in_flight``; :func:`probe`)."""
+        (``Drafter.probes_in_flight``; :func:`probe`). On trial, such a drafter only probes,
+        so the plain steps stay queued until the trial is decided (then ``depth()`` ends it)."""
+        if self.trial and self.gating and self.probes_in_flight:
+            return bool(self._accepted) or self._evidence >= self.MIN_EVIDENCE_NONE_ACCEPTED
         if self.on or not self.gating:  # on trial too: it is on until the trial fails
             return True
         return self.best_depth()[1] > self.ON_ABOVE or (self._probe_due() and not self.probes_in_flight)
