@@ -34,9 +34,10 @@ def _row(model, n: int, seed: int) -> list[KVCache]:
     return row
 
 
-def _run(model, seed: int, steps: int = 30) -> tuple[RaggedCache, int]:
+def _run(model, seed: int, steps: int = 30, hidden: bool = False) -> tuple[RaggedCache, int]:
     """A random run over a compiled and an op-by-op batch side by side: (the compiled batch,
-    forwards compared); asserts each forward's logits and the rows' ends equal."""
+    forwards compared); asserts each forward's logits (with HIDDEN: and its final-norm hidden
+    rows, what an MTP row's head reads) and the rows' ends equal."""
     rng = random.Random(seed)
     both = [RaggedCache(model, compiled=True), RaggedCache(model, compiled=False)]
     compared = 0
@@ -54,8 +55,9 @@ def _run(model, seed: int, steps: int = 30) -> tuple[RaggedCache, int]:
             continue
         width = rng.randint(1, 5)
         x = mx.array([[rng.randrange(VOCAB) for _ in range(width)] for _ in range(rows)])
-        a, b = (cache.forward(x)[0] for cache in both)
+        (a, ha, _), (b, hb, _) = (cache.forward(x, hidden) for cache in both)
         assert mx.array_equal(a, b).item(), (seed, step, mx.abs(a - b).max().item())
+        assert (ha is None and hb is None) if not hidden else mx.array_equal(ha, hb).item(), (seed, step)
         compared += 1
         junk = [rng.randint(0, width) for _ in range(rows)]
         for cache in both:
@@ -68,6 +70,25 @@ def _run(model, seed: int, steps: int = 30) -> tuple[RaggedCache, int]:
 def test_compiled_logits_equal_op_by_op_through_a_random_run(model, seed):
     cache, compared = _run(model, seed)
     assert compared >= 10 and cache.compiled.traced >= 1  # the compiled path ran
+
+
+def test_compiled_hidden_rows_equal_op_by_op_through_a_random_run(model):
+    """Rows whose drafter reads the target's hidden rows (an MTP head) take them from the
+    compiled graph too, of shape (B, W, H)."""
+    cache, compared = _run(model, 1, hidden=True)
+    assert compared >= 10 and cache.compiled.traced >= 1
+
+
+def test_planted_hidden_rows_of_the_wrong_row_are_caught(model, monkeypatch):
+    real = compiled_forward.CompiledForward.__call__
+
+    def swapped(self, inputs, layers, trunk=None):
+        logits, h = real(self, inputs, layers, trunk)
+        return logits, None if h is None else h[::-1]  # row b gets row B-1-b's
+
+    monkeypatch.setattr(compiled_forward.CompiledForward, "__call__", swapped)
+    with pytest.raises(AssertionError):
+        _run(model, 1, hidden=True)
 
 
 def test_a_planted_mask_that_ignores_the_rows_ends_is_caught(model, monkeypatch):
@@ -130,10 +151,14 @@ def test_a_forward_with_a_capture_attached_is_not_traced(model):
     mx.eval(got)  # real outputs, not a trace's placeholders
 
 
-def test_the_batch_compiles_when_switched_on(model, monkeypatch):
-    """``MLXSPEC_COMPILED_BATCH=1`` (read at import: ``compiled_forward.batch_forward``) is what a
-    batch made without ``compiled`` follows; off by default."""
-    assert RaggedCache(model).compiled is None
+def test_the_batch_compiles_unless_switched_off(model, monkeypatch):
+    """``MLXSPEC_COMPILED_BATCH`` (read at import: ``compiled_forward.batch_forward``) is what a
+    batch made without ``compiled`` follows: on unless ``=0``."""
+    assert compiled_forward.env_switch("MLXSPEC_UNSET_SWITCH", True)
+    monkeypatch.setenv("MLXSPEC_COMPILED_BATCH", "0")
+    assert not compiled_forward.env_switch(compiled_forward.BATCH_ENV, True)
     monkeypatch.setattr(compiled_forward, "batch_forward", True)
     assert RaggedCache(model).compiled is not None
-    assert RaggedCache(model, compiled=False).compiled is None
+    monkeypatch.setattr(compiled_forward, "batch_forward", False)
+    assert RaggedCache(model).compiled is None
+    assert RaggedCache(model, compiled=True).compiled is not None

@@ -236,7 +236,7 @@ class BatchedDecoder:
         self.max_rows = max_rows
         self.prefill_step = prefill_step
         self.draft_together = draft_together  # rows draft in one call (draft_together); False: one by one
-        # compiled: the forwards from compiled graphs (batch_cache.py; None: MLXSPEC_COMPILED_BATCH)
+        # compiled: the forwards from compiled graphs (batch_cache.py; None: on unless MLXSPEC_COMPILED_BATCH=0)
         self.cache = RaggedCache(model, compiled)
         self._captures: dict[tuple, LayerCapture] = {}  # per set of layers rows read (DFlash)
         self.rows: list[Row] = []  # in the cache's row order

@@ -64,12 +64,11 @@ class RaggedCache:
 
     def __init__(self, model: nn.Module, compiled: bool | None = None):
         self.model = model
-        # COMPILED: attention-only rows' logits from one compiled graph a shape
-        # (compiled_forward.py). Off by default (None: ``MLXSPEC_COMPILED_BATCH=1`` turns it on):
-        # on an H200 it cut the host's build of a 4-row step from 5.2 to 2.1 ms, but the step then
-        # waited on the device and the batch's tok/s did not move (docs/benchmarks.md); a fresh
-        # CUDA machine also compiles its fused kernels once (about a minute). Not compiled:
-        # mlx-lm's forward, built op by op.
+        # COMPILED: attention-only rows' logits (and hidden rows) from one compiled graph a
+        # shape (compiled_forward.py). None: on unless ``MLXSPEC_COMPILED_BATCH=0``. A 4-row
+        # step is host-bound on CUDA: on an H100, 4 echo requests went from 2.50x to 3.09x stock
+        # mlx-lm's batching (docs/benchmarks.md). A fresh CUDA machine compiles the graphs'
+        # fused kernels once (minutes). Not compiled: mlx-lm's forward, built op by op.
         compiled = compiled_forward.batch_forward if compiled is None else compiled
         self.compiled = CompiledForward.of(model) if compiled else None
         self.layers: list | None = None
@@ -153,11 +152,11 @@ class RaggedCache:
             if self._compiles_row(inputs, capture):  # a row alone verifies as a single request does
                 rows, kept = CompiledForward.of(self.model).row(inputs[0], self.layers, self._trunk if hidden else None)
                 logits, h = rows[None], None if kept is None else kept[None]
+            elif self.compiled is not None and eligible(self.layers, inputs) and not capturing(self.model):
+                logits, h = self.compiled(inputs, self.layers, self._trunk if hidden else None)
             elif hidden:
                 h = self._trunk.body(inputs, cache=self.layers)
                 logits = self._trunk.head(h)
-            elif self.compiled is not None and eligible(self.layers, inputs) and not capturing(self.model):
-                logits = self.compiled(inputs, self.layers)
             else:
                 logits = self.model(inputs, cache=self.layers)
         finally:
