@@ -52,6 +52,8 @@ def test_json_schema_and_medians_of_the_raw_repetitions(dense_run):
     assert doc["schema"] == "mlxspec-bench/1" and doc["kind"] == "bench"
     env = doc["environment"]
     assert {"mlx", "mlx_lm", "mlxspec", "device", "command", "argv"} <= env.keys()
+    # which forwards ran compiled: the defaults (the suite sets no MLXSPEC_COMPILED_* variable)
+    assert env["compiled"] == {"verify": True, "hybrid_verify": True, "plain": True, "batch": True, "head": False}
     assert doc["model"]["model_type"] == "qwen3" and doc["draft_model"]["path"]
     assert doc["config"]["reps"] == 2 and list(doc["workloads"]) == ["echo", "novel"]
     first = doc["workloads"]["echo"]["prompts"][0]

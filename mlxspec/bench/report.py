@@ -42,10 +42,21 @@ def environment() -> dict:
         "device": str(mx.default_device()), "device_info": info,
         "kernels": {"active": active(), ENV: os.environ.get(ENV), "qmm_rows": [MIN_ROWS, MAX_ROWS],
                     "tensor_core_rows": [TC_ROWS.start, TC_ROWS.stop - 1] if TC_ROWS else None},
+        "compiled": compiled_switches(),
         "python": platform.python_version(), "platform": platform.platform(),
         "command": _command_line(), "argv": list(sys.argv), "executable": sys.executable,
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def compiled_switches() -> dict:
+    """Which of the engine's forwards this process runs as compiled graphs (each switch is read
+    once, at import, from its ``MLXSPEC_COMPILED_*`` variable): what a run timed."""
+    from ..engine import compiled_forward, compiled_head
+
+    return {"verify": compiled_forward.row_verify, "hybrid_verify": compiled_forward.hybrid_verify,
+            "plain": compiled_forward.plain_steps, "batch": compiled_forward.batch_forward,
+            "head": compiled_head.enabled}
 
 
 def _command_line() -> str:
