@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--pipeline", choices=("on", "off", "both"), default="on")
     ap.add_argument("--no-drafter", action="store_true", help="every row decodes plainly")
-    ap.add_argument("--compiled", choices=("on", "off", "both"), default="off")
+    ap.add_argument("--compiled", choices=("on", "off", "both"), default="on")
     args = ap.parse_args()
     real_init = batch.BatchedDecoder.__init__
     bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
