@@ -9,10 +9,11 @@ import random
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxspec.engine import compiled_forward
 from mlxspec.engine.batch_cache import RaggedCache
+from mlxspec.engine.ragged_kv import RaggedKVCache
 from mlxspec.models.layer_capture import LayerCapture
 
 VOCAB = 50
@@ -28,10 +29,17 @@ def model():
     return m
 
 
-def _row(model, n: int, seed: int) -> list[KVCache]:
-    row = [KVCache() for _ in model.layers]
+def _row(model, n: int, seed: int) -> list:
+    """One request's prefilled cache: KVCaches, and a hybrid's GatedDeltaNet ArraysCaches."""
+    row = make_prompt_cache(model)
     model(mx.array([[(3 * t + seed) % VOCAB for t in range(n)]]), cache=row)
     return row
+
+
+def _states_equal(a: RaggedCache, b: RaggedCache) -> bool:
+    """Whether the two batches' recurrent (GatedDeltaNet) states are equal, array for array."""
+    return all(mx.array_equal(x, y).item() for p, q in zip(a._recurrent, b._recurrent, strict=True)
+               for x, y in zip(p.cache, q.cache, strict=True))
 
 
 def _run(model, seed: int, steps: int = 30, hidden: bool = False) -> tuple[RaggedCache, int]:
@@ -59,10 +67,14 @@ def _run(model, seed: int, steps: int = 30, hidden: bool = False) -> tuple[Ragge
         assert mx.array_equal(a, b).item(), (seed, step, mx.abs(a - b).max().item())
         assert (ha is None and hb is None) if not hidden else mx.array_equal(ha, hb).item(), (seed, step)
         compared += 1
-        junk = [rng.randint(0, width) for _ in range(rows)]
+        # a hybrid's one-token step is never rolled back (its states are not taped), as in the engine
+        most = width if width > 1 or not both[0].recurrent else 0
+        junk = [rng.randint(0, most) for _ in range(rows)]
         for cache in both:
             cache.rollback(junk)
-        assert both[0].layers[0].ends == both[1].layers[0].ends
+        kv = [c for c in both[0].layers if isinstance(c, RaggedKVCache)]
+        assert kv[0].ends == [c for c in both[1].layers if isinstance(c, RaggedKVCache)][0].ends
+        assert _states_equal(*both), (seed, step)  # each row's state replayed by its own count
     return both[0], compared
 
 
@@ -77,6 +89,46 @@ def test_compiled_hidden_rows_equal_op_by_op_through_a_random_run(model):
     compiled graph too, of shape (B, W, H)."""
     cache, compared = _run(model, 1, hidden=True)
     assert compared >= 10 and cache.compiled.traced >= 1
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_qwen3_5):
+    import mlx_lm
+
+    return mlx_lm.load(str(tiny_qwen3_5))[0]
+
+
+@pytest.mark.parametrize("which", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_batchs_compiled_forward_equals_op_by_op(hybrid, tiny_qwen3_next, which):
+    """A GatedDeltaNet hybrid's batch (Qwen3.5: linear, full, linear, full; Qwen3-Next: its MoE
+    MLP and its own GatedDeltaNet class) replays its forwards from the graph too: logits and
+    hidden rows bit for bit, and after each rollback (every row's state replayed by its own
+    kept count from the graph's tapes) the same states."""
+    cache, compared = _run(hybrid if which == "qwen3_5" else tiny_qwen3_next, 0, steps=25, hidden=True)
+    assert compared >= 8 and cache.compiled.traced >= 1 and cache.recurrent
+
+
+def test_planted_tapes_of_the_wrong_rows_are_caught(hybrid, monkeypatch):
+    monkeypatch.delattr(hybrid, "_mlxspec_compiled_forward", raising=False)  # graphs traced with the plant
+    real = compiled_forward._advance_recurrent
+
+    def reversed_tapes(recurrent, states, tapes, W):
+        real(recurrent, states, [t[::-1] for t in tapes], W)  # row b replays row B-1-b's tape
+
+    monkeypatch.setattr(compiled_forward, "_advance_recurrent", reversed_tapes)
+    with pytest.raises(AssertionError):
+        _run(hybrid, 0, steps=25)
+
+
+def test_a_hybrid_batch_stays_op_by_op_when_kept_to_attention_only(hybrid, monkeypatch):
+    """``MLXSPEC_COMPILED_VERIFY=kv`` (hybrid_verify off) keeps a hybrid's batch op by op too."""
+    monkeypatch.setattr(compiled_forward, "hybrid_verify", False)
+    cache = RaggedCache(hybrid, compiled=True)
+    cache.compiled = compiled_forward.CompiledForward(hybrid)
+    for n in (20, 30):
+        cache.join(_row(hybrid, n, n))
+    cache.forward(mx.ones((2, 3), mx.int32))
+    assert cache.compiled.traced == 0
 
 
 def test_planted_hidden_rows_of_the_wrong_row_are_caught(model, monkeypatch):

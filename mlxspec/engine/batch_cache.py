@@ -64,11 +64,12 @@ class RaggedCache:
 
     def __init__(self, model: nn.Module, compiled: bool | None = None):
         self.model = model
-        # COMPILED: attention-only rows' logits (and hidden rows) from one compiled graph a
-        # shape (compiled_forward.py). None: on unless ``MLXSPEC_COMPILED_BATCH=0``. A 4-row
-        # step is host-bound on CUDA: on an H100, 4 echo requests went from 2.50x to 3.09x stock
-        # mlx-lm's batching (docs/benchmarks.md). A fresh CUDA machine compiles the graphs'
-        # fused kernels once (minutes). Not compiled: mlx-lm's forward, built op by op.
+        # COMPILED: the rows' logits (and hidden rows) from one compiled graph a shape, over
+        # attention-only and GatedDeltaNet hybrid targets (compiled_forward.py). None: on unless
+        # ``MLXSPEC_COMPILED_BATCH=0``. A 4-row step is host-bound on CUDA: on an H100, 4 echo
+        # requests went from 2.50x to 3.09x stock mlx-lm's batching (docs/benchmarks.md). A fresh
+        # CUDA machine compiles the graphs' fused kernels once (minutes). Not compiled: mlx-lm's
+        # forward, built op by op.
         compiled = compiled_forward.batch_forward if compiled is None else compiled
         self.compiled = CompiledForward.of(model) if compiled else None
         self.layers: list | None = None
@@ -152,7 +153,8 @@ class RaggedCache:
             if self._compiles_row(inputs, capture):  # a row alone verifies as a single request does
                 rows, kept = CompiledForward.of(self.model).row(inputs[0], self.layers, self._trunk if hidden else None)
                 logits, h = rows[None], None if kept is None else kept[None]
-            elif self.compiled is not None and eligible(self.layers, inputs) and not capturing(self.model):
+            elif (self.compiled is not None and eligible(self.layers, inputs, taped=self._gdn is not None)
+                  and not capturing(self.model)):
                 logits, h = self.compiled(inputs, self.layers, self._trunk if hidden else None)
             elif hidden:
                 h = self._trunk.body(inputs, cache=self.layers)

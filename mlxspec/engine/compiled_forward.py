@@ -9,10 +9,13 @@ then replayed from C++, and its chains of elementwise operations become one kern
 
 Measured (H200, 4 rows of the 8B shape): the host's build of a step fell from 5.2 to 2.1 ms and
 the step became bound by the device (a sleep on the host of up to 4 ms no longer lengthened
-it), but the batch's tok/s did not move (paired ratio 0.996). So ``RaggedCache`` leaves it off
-by default: it is the host half of a faster step, whose other half is a device that runs fewer
-kernels a forward. In bf16 on CUDA its logits are not bit for bit the op-by-op forward's (the
-attention kernel splits the whole buffer's keys into other chunks); in fp32 on the CPU they are.
+it), but the batch's tok/s did not move (paired ratio 0.996). Since the tensor-core verify
+matmul cut a wide verify's device time it paid (H100, 4 echo requests: 3.09x stock mlx-lm's
+batching against 2.50x op by op), so ``RaggedCache`` uses it by default
+(``MLXSPEC_COMPILED_BATCH=0``, :data:`batch_forward`, turns it off), over GatedDeltaNet hybrids
+too (their rows' states and tapes in and out of the graph, as a single request's). In bf16 on
+CUDA its logits are not bit for bit the op-by-op forward's (the attention kernel splits the
+whole buffer's keys into other chunks); in fp32 on the CPU they are.
 
 A compiled graph must not change with the rows' lengths, so inside it each layer's cache is a
 :class:`StaticKV`: every row writes its W new keys and values at its own end by scatter (its
@@ -154,13 +157,20 @@ class StaticKV:
         return self.keys, self.values, self.offset
 
 
-def eligible(layers: list | None, inputs: mx.array) -> bool:
-    """Whether a compiled graph can run this forward: every layer a ragged KV cache holding
-    keys, of one capacity and one offset array (a batch of two or more attention-only rows)."""
-    if not layers or not all(type(c) is RaggedKVCache and c.keys is not None for c in layers):
+def eligible(layers: list | None, inputs: mx.array, taped: bool = False) -> bool:
+    """Whether a compiled graph can run this forward of a batch of two or more rows: every
+    attention layer a ragged KV cache holding keys, of one capacity and one offset array; any
+    other layer, where the recurrent layers are TAPED and :data:`hybrid_verify` is on, a
+    GatedDeltaNet ``ArraysCache`` holding its rows' states (a hybrid)."""
+    kv = [c for c in layers or () if type(c) is RaggedKVCache]
+    if not kv or any(c.keys is None for c in kv):
         return False
-    first = layers[0]
-    return inputs.ndim == 2 and inputs.shape[0] == len(first.ends) and all(c.offset is first.offset for c in layers)
+    others = [c for c in layers if type(c) is not RaggedKVCache]
+    if others and not (taped and hybrid_verify and all(
+            type(c) is ArraysCache and all(a is not None for a in c.cache) for c in others)):
+        return False
+    first = kv[0]
+    return inputs.ndim == 2 and inputs.shape[0] == len(first.ends) and all(c.offset is first.offset for c in kv)
 
 
 _MADE: weakref.WeakSet = weakref.WeakSet()  # every instance alive, for :func:`traces`
@@ -195,27 +205,34 @@ class CompiledForward:
             setattr(model, "_mlxspec_compiled_forward", shared)
         return shared
 
-    def __call__(self, inputs: mx.array, layers: list[RaggedKVCache],
+    def __call__(self, inputs: mx.array, layers: list,
                  trunk: Trunk | None = None) -> tuple[mx.array, mx.array | None]:
-        """Logits (B, W, V) of INPUTS (B, W) over LAYERS, whose ends each advance by W (as
-        ``RaggedKVCache.update_and_fetch`` leaves them), and with TRUNK (a model cut at its final
-        norm: rows whose drafter reads them) the hidden rows (B, W, H), else None."""
+        """Logits (B, W, V) of INPUTS (B, W) over a batch's LAYERS (:func:`eligible`), and with
+        TRUNK (a model cut at its final norm: rows whose drafter reads them) the hidden rows
+        (B, W, H), else None. Each ``RaggedKVCache``'s ends advance by W (as its
+        ``update_and_fetch`` leaves them); each GatedDeltaNet ``ArraysCache`` holds its rows'
+        states after the W tokens and, where ``record_tape`` is set, their tape (as
+        :meth:`row`)."""
         B, W = inputs.shape
-        for c in layers:
+        kv = [c for c in layers if type(c) is RaggedKVCache]
+        recurrent = [c for c in layers if type(c) is not RaggedKVCache]
+        for c in kv:
             c.reserve(W)
-        offset = layers[0].offset
-        capacity = layers[0].keys.shape[2]
-        assert all(c.keys.shape[2] == capacity for c in layers), [c.keys.shape for c in layers]
+        offset = kv[0].offset
+        capacity = kv[0].keys.shape[2]
+        assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
+        kinds = tuple(0 if type(c) is RaggedKVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
         traced, t0 = self.traced, time.perf_counter()
-        key = (B, W, capacity, inputs.dtype, trunk is not None)
-        graph = self._graph(key, partial(self._forward, trunk, (0,) * len(layers), None))
-        logits, hidden, keys, values, _, _ = graph(inputs, offset, [c.keys for c in layers], [c.values for c in layers],
-                                                   [])
+        key = (B, W, capacity, inputs.dtype, trunk is not None, kinds)
+        graph = self._graph(key, partial(self._forward, trunk, kinds, None))
+        logits, hidden, keys, values, states, tapes = graph(
+            inputs, offset, [c.keys for c in kv], [c.values for c in kv], [a for c in recurrent for a in c.cache])
         if self.traced > traced:
             self.trace_s += time.perf_counter() - t0
         after = offset + W
-        for c, k, v in zip(layers, keys, values, strict=True):
+        for c, k, v in zip(kv, keys, values, strict=True):
             c.advance(k, v, W, after)
+        _advance_recurrent(recurrent, states, tapes, W)
         return logits, (hidden[0] if hidden else None)
 
     def row(self, tokens: mx.array, layers: list, trunk: Trunk | None = None,
@@ -253,13 +270,7 @@ class CompiledForward:
         for c, k, v in zip(kv, keys, values, strict=True):
             c.keys, c.values = k, v
             c.offset += W
-        states, tapes = iter(states), iter(tapes)
-        for c in recurrent:
-            c.cache = [next(states) for _ in c.cache]
-            taped = Tape(*(next(tapes) for _ in range(TAPED_ARRAYS))) if W > 1 else None
-            c.advance(W)
-            if getattr(c, "record_tape", False):
-                c.tape = taped
+        _advance_recurrent(recurrent, states, tapes, W)
         return logits[0], (hidden[0][0] if hidden else None)
 
     def _graph(self, key: tuple, forward):
@@ -305,6 +316,18 @@ class CompiledForward:
         (What changes with a known tag, such as a bench's script, is better kept apart by
         :attr:`scope`: its graphs are not traced again when it comes back.)"""
         self.graphs.clear()
+
+
+def _advance_recurrent(recurrent: list[ArraysCache], states: list[mx.array], tapes: list[mx.array], W: int) -> None:
+    """What a graph's forward of W tokens did to RECURRENT (GatedDeltaNet caches, in layer
+    order): their new STATES, and the TAPES of those that record one (a verify: W > 1)."""
+    states, tapes = iter(states), iter(tapes)
+    for c in recurrent:
+        c.cache = [next(states) for _ in c.cache]
+        taped = Tape(*(next(tapes) for _ in range(TAPED_ARRAYS))) if W > 1 else None
+        c.advance(W)
+        if getattr(c, "record_tape", False):
+            c.tape = taped
 
 
 def compiles_rows(cache: list, taped: list | None = None) -> bool:
