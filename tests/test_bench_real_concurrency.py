@@ -69,6 +69,10 @@ def test_cli_runs_every_engine_against_stock_batching(tmp_path):
         batched = cells[(w, 2, rc.BATCHED)]
         assert batched["vs_stock_batched"] > 0 and len(batched["vs_stock_batched_iqr"]) == 2
         assert batched["vs_serial"] > 0 and "acceptance" in batched and batched["mean_rows"] > 1
+        # the batch's compiled graphs: traced in the warm-up, so none inside the timed repetition
+        assert batched["compiled_traces"] == 0, batched
+    graphs = doc["real_concurrency"]["compiled_graphs"]
+    assert graphs["traced"] >= 1 and graphs["tracing_calls_s"] > 0, graphs
     join = doc["real_concurrency"]["join"]
     assert join["join_tokens"] == 300 and join["steps"] >= 1 and join["worst_gap_ms"] > 0
     assert "requests at once" in result.output

@@ -158,11 +158,15 @@ class ConcurrencyBench:
             return Run(out["tokens"], out["first_s"], out["last_s"])
         mx.synchronize()
         mx.clear_cache()
-        if engine == SERIAL:
-            return self._serial(workload, scripts)
-        if engine in (BATCHED, BATCHED_PLAIN):
-            return self._batched(workload, scripts, engine == BATCHED)
-        raise UsageError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
+        if engine not in (SERIAL, BATCHED, BATCHED_PLAIN):
+            raise UsageError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
+        from ..engine.compiled_forward import traces
+
+        traced = traces()[0]
+        run = self._serial(workload, scripts) if engine == SERIAL else self._batched(workload, scripts,
+                                                                                      engine == BATCHED)
+        run.stats["compiled_traces"] = traces()[0] - traced  # graphs traced inside this timed run
+        return run
 
     def _serial(self, workload: str, scripts) -> Run:
         from ..engine.sampling import SamplingParams
@@ -267,6 +271,7 @@ def summarize(bench: ConcurrencyBench, runs: dict) -> list[dict]:
             cell["tokens_per_row_step"] = round(sum(len(t) for r in mine for t in r.tokens) / steps, 3)
             if "mean_rows" in mine[0].stats:
                 cell["mean_rows"] = round(statistics.median(r.stats["mean_rows"] for r in mine), 2)
+            cell["compiled_traces"] = sum(r.stats["compiled_traces"] for r in mine)
         cell["reps_aggregate_tps"] = [round(r.aggregate_tps, 2) for r in mine]
         q = quartiles([r.aggregate_tps for r in mine])
         cell["aggregate_tps_iqr"] = [round(q[0], 2), round(q[2], 2)]
@@ -338,8 +343,12 @@ def run_real_concurrency(shape: str, *, levels, workloads, bits: int = 4, prompt
                              workloads=workloads, requests=max(levels), seed=seed, on_step=say, stock=stock)
 
     def result(runs, join=None):
+        from ..engine.compiled_forward import traces
+
+        graphs, trace_s = traces()  # the model's compiled graphs: traced in all, host seconds of those calls
         return {"benchmark": "concurrency", "baseline": BASELINE, "config": config,
                 "stock_evidence": bench.stock_evidence, "device": str(mx.default_device()),
+                "compiled_graphs": {"traced": graphs, "tracing_calls_s": round(trace_s, 3)},
                 "cells": summarize(bench, runs), "join": join}
 
     try:
