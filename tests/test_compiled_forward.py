@@ -120,6 +120,21 @@ def test_planted_tapes_of_the_wrong_rows_are_caught(hybrid, monkeypatch):
         _run(hybrid, 0, steps=25)
 
 
+def test_a_rank_of_a_sharded_run_keeps_its_batch_op_by_op(model, monkeypatch):
+    """One rank of several (mlx.launch) communicates inside its forward: its batch is not
+    compiled, as its single requests are not."""
+    cache = RaggedCache(model, compiled=True)
+    cache.compiled = compiled_forward.CompiledForward(model)
+    for n in (20, 30):
+        cache.join(_row(model, n, n))
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    cache.forward(mx.ones((2, 3), mx.int32))
+    assert cache.compiled.traced == 0
+    monkeypatch.delenv("MLX_WORLD_SIZE")
+    cache.forward(mx.ones((2, 3), mx.int32))
+    assert cache.compiled.traced == 1
+
+
 def test_a_hybrid_batch_stays_op_by_op_when_kept_to_attention_only(hybrid, monkeypatch):
     """``MLXSPEC_COMPILED_VERIFY=kv`` (hybrid_verify off) keeps a hybrid's batch op by op too."""
     monkeypatch.setattr(compiled_forward, "hybrid_verify", False)

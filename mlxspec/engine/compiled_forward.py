@@ -161,9 +161,10 @@ def eligible(layers: list | None, inputs: mx.array, taped: bool = False) -> bool
     """Whether a compiled graph can run this forward of a batch of two or more rows: every
     attention layer a ragged KV cache holding keys, of one capacity and one offset array; any
     other layer, where the recurrent layers are TAPED and :data:`hybrid_verify` is on, a
-    GatedDeltaNet ``ArraysCache`` holding its rows' states (a hybrid)."""
+    GatedDeltaNet ``ArraysCache`` holding its rows' states (a hybrid); in a process that runs
+    the whole model (not one rank of several, whose forward communicates), as :func:`compiles_rows`."""
     kv = [c for c in layers or () if type(c) is RaggedKVCache]
-    if not kv or any(c.keys is None for c in kv):
+    if not kv or any(c.keys is None for c in kv) or launched():
         return False
     others = [c for c in layers if type(c) is not RaggedKVCache]
     if others and not (taped and hybrid_verify and all(
