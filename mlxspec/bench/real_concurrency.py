@@ -343,12 +343,11 @@ def run_real_concurrency(shape: str, *, levels, workloads, bits: int = 4, prompt
                              workloads=workloads, requests=max(levels), seed=seed, on_step=say, stock=stock)
 
     def result(runs, join=None):
-        from ..engine.compiled_forward import traces
+        from .report import compiled_graphs
 
-        graphs, trace_s = traces()  # the model's compiled graphs: traced in all, host seconds of those calls
         return {"benchmark": "concurrency", "baseline": BASELINE, "config": config,
                 "stock_evidence": bench.stock_evidence, "device": str(mx.default_device()),
-                "compiled_graphs": {"traced": graphs, "tracing_calls_s": round(trace_s, 3)},
+                "compiled_graphs": compiled_graphs(),
                 "cells": summarize(bench, runs), "join": join}
 
     try:

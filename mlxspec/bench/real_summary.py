@@ -55,10 +55,9 @@ def measure(bench, cells: list[Cell], reps: int, say=None, on_rep=None) -> tuple
 def shape_info(bench, bits: int) -> dict:
     """What one shape measured besides its cells (costs, drafters' steps, tree verifies), and
     the stock baseline process's evidence (:mod:`.stock_evidence`)."""
-    from ..engine.compiled_forward import traces
+    from .report import compiled_graphs
 
     d = bench.dflash
-    graphs, trace_s = traces()  # this shape's compiled graphs (the last shape's went with its model)
     return {"shape": bench.shape, "bits": bits, "build_s": round(bench.build_s, 1),
             "weights_mb": round(bench.target_nbytes / 1e6, 1),
             "forward_ms": {str(k): round(v, 3) for k, v in bench.forward.items()},
@@ -70,9 +69,8 @@ def shape_info(bench, bits: int) -> dict:
             "tree_factor": bench.cost.tree_factor, "tree_error": bench.tree_error,
             "dflash": None if d is None else {"layers": d.args.num_hidden_layers, "block_size": d.block_size,
                                               "target_layer_ids": list(d.args.target_layer_ids)},
-            # graphs traced so far and the host seconds the calls that traced them took (the trace,
-            # its first run and, on a fresh CUDA machine, NVRTC building the fused kernels)
-            "compiled_graphs": {"traced": graphs, "tracing_calls_s": round(trace_s, 3)},
+            # this shape's compiled graphs (the last shape's went with its model)
+            "compiled_graphs": compiled_graphs(),
             "baseline": BASELINE, "baseline_evidence": bench.stock_evidence}
 
 

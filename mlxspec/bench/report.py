@@ -59,6 +59,16 @@ def compiled_switches() -> dict:
             "head": compiled_head.enabled}
 
 
+def compiled_graphs() -> dict:
+    """The compiled graphs of the models alive (``compiled_forward.traces``): how many were
+    traced and the host seconds of the calls that traced them (the trace, its first run and, on
+    a fresh CUDA machine, NVRTC building the fused kernels)."""
+    from ..engine.compiled_forward import traces
+
+    graphs, trace_s = traces()
+    return {"traced": graphs, "tracing_calls_s": round(trace_s, 3)}
+
+
 def _command_line() -> str:
     argv = list(sys.argv)
     if argv and argv[0].endswith("__main__.py"):  # python -m mlxspec

@@ -223,17 +223,11 @@ class CompiledForward:
         capacity = kv[0].keys.shape[2]
         assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
         kinds = tuple(0 if type(c) is RaggedKVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
-        traced, t0 = self.traced, time.perf_counter()
         key = (B, W, capacity, inputs.dtype, trunk is not None, kinds)
-        graph = self._graph(key, partial(self._forward, trunk, kinds, None))
-        logits, hidden, keys, values, states, tapes = graph(
-            inputs, offset, [c.keys for c in kv], [c.values for c in kv], [a for c in recurrent for a in c.cache])
-        if self.traced > traced:
-            self.trace_s += time.perf_counter() - t0
+        logits, hidden, keys, values = self._replay(key, trunk, kinds, None, inputs, offset, kv, recurrent)
         after = offset + W
         for c, k, v in zip(kv, keys, values, strict=True):
             c.advance(k, v, W, after)
-        _advance_recurrent(recurrent, states, tapes, W)
         return logits, (hidden[0] if hidden else None)
 
     def row(self, tokens: mx.array, layers: list, trunk: Trunk | None = None,
@@ -258,24 +252,30 @@ class CompiledForward:
         capacity = kv[0].keys.shape[2]
         assert all(c.keys.shape[2] == capacity for c in kv), [c.keys.shape for c in kv]
         kinds = tuple(0 if type(c) is KVCache else len(c.cache) for c in layers)  # 0: KV; n: n arrays
-        traced, t0 = self.traced, time.perf_counter()
         ids = None if capture is None else capture.ids
         key = ("row", W, capacity, kv[0].keys.dtype, trunk is not None, kinds, ids)
         # the capture's layers keep their outputs only while the graph is traced, as outputs of it
-        graph = self._graph(key, partial(self._forward, trunk, kinds, capture))
-        logits, hidden, keys, values, states, tapes = graph(
-            tokens[None], mx.array([start], mx.int32), [c.keys for c in kv], [c.values for c in kv],
-            [a for c in recurrent for a in c.cache])
-        if self.traced > traced:
-            self.trace_s += time.perf_counter() - t0
+        logits, hidden, keys, values = self._replay(key, trunk, kinds, capture, tokens[None],
+                                                    mx.array([start], mx.int32), kv, recurrent)
         for c, k, v in zip(kv, keys, values, strict=True):
             c.keys, c.values = k, v
             c.offset += W
-        _advance_recurrent(recurrent, states, tapes, W)
         return logits[0], (hidden[0][0] if hidden else None)
 
-    def _graph(self, key: tuple, forward):
-        return self.graphs.get((self.scope, *key), forward)
+    def _replay(self, key: tuple, trunk: Trunk | None, kinds: tuple[int, ...], capture: LayerCapture | None,
+                inputs: mx.array, offset: mx.array, kv: list, recurrent: list[ArraysCache]) -> tuple:
+        """KEY's graph (traced now if it has none: the call's host time goes to ``trace_s``) run
+        on INPUTS (B, W) over the KV layers' buffers written at OFFSET and the RECURRENT layers'
+        states, which it advances (:func:`_advance_recurrent`): (logits, [hidden] or [], the
+        KV layers' new keys, their new values), the KV layers left to the caller."""
+        traced, t0 = self.traced, time.perf_counter()
+        graph = self.graphs.get((self.scope, *key), partial(self._forward, trunk, kinds, capture))
+        logits, hidden, keys, values, states, tapes = graph(
+            inputs, offset, [c.keys for c in kv], [c.values for c in kv], [a for c in recurrent for a in c.cache])
+        if self.traced > traced:
+            self.trace_s += time.perf_counter() - t0
+        _advance_recurrent(recurrent, states, tapes, inputs.shape[1])
+        return logits, hidden, keys, values
 
     def _forward(self, trunk: Trunk | None, kinds: tuple[int, ...], capture: LayerCapture | None,
                  inputs: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array],
