@@ -624,3 +624,42 @@ def test_kernel_sources_reach_mlx_without_comments():
     for src in (qmm._SOURCE, qmm_tc._HEADER, qmm_tc._SOURCE, attention_source.partial_source("causal", "queries"),
                 attention_source.partial_source("causal", "keys"), gdn._SOURCE):
         assert compact(src) == src  # already compact: no comment, indentation or blank line left
+
+
+def test_one_query_row_under_an_array_mask_goes_to_the_kernel(monkeypatch):
+    """A batch's plain step (rows of different lengths: an array mask) takes the kernel at one
+    query a row, which MLX's decode kernel does not take (MLX runs it op by op); one row with no
+    mask or a named one keeps MLX's decode kernel."""
+    monkeypatch.setattr(attention, "active", lambda: True)
+    monkeypatch.setattr(attention, "ONE_ROW_FROM_KEYS", {})
+    q1, k, v, cache = _qkv(L=1, S=40)
+    ragged = mx.arange(40).reshape(1, 1, 1, 40) >= 3  # a row whose first 3 positions are padding
+    assert attention.eligible(q1, k, v, cache, ragged, None)
+    assert attention.eligible(q1, k, v, cache, mx.where(ragged, 0.0, -1e9).astype(mx.float32), None)
+    assert not attention.eligible(q1, k, v, cache, None, None)
+    assert not attention.eligible(q1, k, v, cache, "causal", None)
+    assert not attention.eligible(q1, k, v, cache, ragged, mx.zeros((8,)))  # sinks: MLX's still
+    monkeypatch.setattr(attention, "active", lambda: False)
+    assert not attention.eligible(q1, k, v, cache, ragged, None)
+
+
+def test_a_small_matrix_takes_the_tensor_core_kernel_from_mlxs_gemm_rows(monkeypatch):
+    """A matrix below MIN_WEIGHT_BYTES (a k/v projection) keeps MLX's matmul below
+    MLX_GEMM_ROWS rows (its qmv) and takes the tensor-core kernel from there to TC_SPLIT_MAX,
+    where MLX's GEMM tiles left it most of the GPU idle; float32 activations keep MLX's."""
+    layer = nn.Linear(256, 64, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    monkeypatch.setattr(qmm, "active", lambda: True)
+    assert qmm.install(mlp) == 1 and mlp.layers[0].weight_bytes < qmm.MIN_WEIGHT_BYTES
+    wide, small = [], []
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
+    monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
+    for rows in (1, 2, 7, 8, 16, 28, 40, 72, 73):
+        mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
+    mlp.layers[0](mx.zeros((1, 16, 256)))  # float32 activations
+    assert wide == [8, 16, 28, 40, 72] and small == []
+    monkeypatch.setattr(qmm, "MLX_GEMM_ROWS", 9)  # planted: the threshold one row off
+    mlp.layers[0](mx.zeros((1, 8, 256), mx.bfloat16))
+    assert wide == [8, 16, 28, 40, 72]

@@ -237,6 +237,27 @@ def test_wide_verifies_go_to_the_tensor_core_kernel(monkeypatch):
     assert calls == [4, 9, 20, 32, 33, 40]
 
 
+def test_a_small_matrix_takes_the_tensor_core_kernel_from_8_rows(monkeypatch):
+    """A k/v projection of the 8B shape (1024 x 4096, 4-bit: under MIN_WEIGHT_BYTES) keeps MLX's
+    matmul below 8 rows (its qmv) and takes the tensor-core kernel from 8 (where MLX's is a GEMM
+    that left it most of the GPU idle), with MLX's outputs (its dequantized weights')."""
+    mx.random.seed(5)
+    layer = nn.Linear(4096, 1024, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    model = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    q = model.layers[0]
+    xs = {rows: mx.random.normal((1, rows, 4096)).astype(mx.bfloat16) for rows in (4, 7, 8, 16, 28, 40)}
+    want = {rows: _reference(x, q["weight"], q["scales"], q["biases"], 64, 4) for rows, x in xs.items()}
+    assert qmm.install(model) == 1 and q.weight_bytes < qmm.MIN_WEIGHT_BYTES
+    calls = []
+    real = qmm_tc.quantized_matmul
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, *a, **k: calls.append(x.size // x.shape[-1]) or real(x, *a, **k))
+    for rows, x in xs.items():
+        _close(q(x), want[rows], TOL[mx.bfloat16])
+    assert calls == [8, 16, 28, 40]
+
+
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):
     from mlxspec.bench.synthetic import random_model
 
@@ -570,6 +591,14 @@ def test_a_ragged_batch_verify_gives_each_rows_own_logits_with_the_kernels(monke
     assert calls == [True, True]  # both layers' masked 4-row attention ran the kernel
     for i, (own, f) in enumerate(zip(alone, feed)):
         _close(got[i: i + 1], model(mx.array([f]), cache=own), 2e-3)
+    # a plain step: one query a row under the rows' mask, the kernel too (MLX's decode kernel
+    # takes no array mask), each row's logits its own plain step's
+    calls.clear()  # (the rows alone above ran the kernel under "causal")
+    got = batch.forward(mx.array([[17], [18], [19]]))[0]
+    assert calls == [True, True]
+    for i, own in enumerate(alone):
+        _close(got[i: i + 1], model(mx.array([[17 + i]]), cache=own), 2e-3)
+    assert calls == [True, True]  # a request's own plain step (no mask) keeps MLX's decode kernel
 
 
 def test_a_compiled_ragged_batch_forward_equals_op_by_op_with_the_kernels(monkeypatch):

@@ -206,9 +206,12 @@ def unsupported(q, k, v, mask) -> str | None:
 def eligible(queries, keys, values, cache, mask, sinks) -> bool:
     """What the dispatcher sends to the kernel: at least MIN_ROWS query rows (one row keeps
     MLX's decode kernel unless ONE_ROW_FROM_KEYS names its head dim and the cache is that long,
-    and is asked about first: it costs next to nothing more than mlx-lm's call), plain float
+    and is asked about first: it costs next to nothing more than mlx-lm's call) or one row under
+    an array mask (a batch's plain step over rows of different lengths, which MLX's decode
+    kernel does not take: MLX ran it as 5 ops a layer, 1.46 ms of an 8.2 ms 4-row forward of the
+    8B shape on an H100 by ncu, docs/benchmarks.md), plain float
     K/V (not a quantized cache), no sinks, the kernels active, and inputs the kernel takes."""
-    if queries.shape[2] < MIN_ROWS:
+    if queries.shape[2] < MIN_ROWS and (mask is None or isinstance(mask, str)):
         from_keys = ONE_ROW_FROM_KEYS.get(queries.shape[3])
         if from_keys is None or keys.shape[2] < from_keys:
             return False

@@ -15,8 +15,9 @@ tensor cores), but whole forwards of the 8B and 27B shapes were faster with this
 every row count
 (``benchmarks/diag_verify_strategies.py``): alone, a call's time is mostly launch and host cost,
 which a forward's hundreds of calls do not add up the same way. Small matrices (an MoE's
-experts and its k/v projections) stay on MLX's matmul: there the kernel's host cost per call is
-more than reading the matrix once per row.
+experts and its k/v projections) stay on MLX's matmul below 8 rows: there the kernel's host
+cost per call is more than reading the matrix once per row. From 8 rows MLX's matmul is a GEMM
+whose tiles leave such a matrix most of the GPU idle, and the tensor-core kernel takes them.
 """
 
 from __future__ import annotations
@@ -49,8 +50,14 @@ MAX_ROWS = _max_rows(os.environ.get("MLXSPEC_QMM_MAX_ROWS"))
 # as fast (docs/benchmarks.md).
 MIN_ROWS = 2
 # A small matrix stays on MLX's matmul: reading it once per row costs less than the host time of
-# a custom kernel's call.
+# a custom kernel's call...
 MIN_WEIGHT_BYTES = 4 << 20
+# ...below this many rows, where MLX's is its qmv (M * B < 8 in MLX's QuantizedMatmul). From 8
+# rows MLX's is a GEMM of 128-column tiles, which leaves a k/v projection's 1,024 columns 8
+# blocks: on an H100 its 72 calls (8B shape, 16 or 28 rows) took 4.07 ms of an 11.3 ms forward
+# (ncu), against 0.92 ms as qmv at 4 rows. The tensor-core kernel takes them there, as it takes
+# the large matrices.
+MLX_GEMM_ROWS = 8
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -235,8 +242,11 @@ def _kernel_for(module, x: mx.array):
     rows = x.size // x.shape[-1]
     wide = rows in TC_ROWS or (bool(TC_ROWS) and qmm_tc.MAX_ROWS < rows <= TC_SPLIT_MAX)
     small = MIN_ROWS <= rows <= MAX_ROWS
-    if not (wide or small) or module.weight_bytes < MIN_WEIGHT_BYTES or not active():
+    if not (wide or small) or not active():
         return None
+    if module.weight_bytes < MIN_WEIGHT_BYTES:  # a small matrix: the tensor-core kernel, or MLX's
+        wide_layout = wide and module.tc_layout and x.dtype == module.kernel_dtype
+        return qmm_tc.quantized_matmul if wide_layout and rows >= MLX_GEMM_ROWS else None
     if wide and module.tc_layout and x.dtype == module.kernel_dtype:
         return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
