@@ -26,7 +26,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -63,8 +62,8 @@ def run(shape: str, configs: list[tuple[int, int]], under_ncu: bool) -> dict:
     from mlx_lm.models.cache import make_prompt_cache
 
     from benchmarks.diag_batch_forward import ragged
+    from benchmarks.diag_ragged_nodes import timed_forward
     from mlxspec.bench.synthetic import random_model, vocab_size
-    from mlxspec.engine.batch_step import greedy_tokens
 
     vocab = vocab_size(shape)
     model = random_model(shape)
@@ -72,27 +71,21 @@ def run(shape: str, configs: list[tuple[int, int]], under_ncu: bool) -> dict:
     stock = make_prompt_cache(model)
     mx.eval(model(mx.array([[(7 * t) % vocab for t in range(500)]], mx.uint32), cache=stock))
 
+    class Stock:
+        """Stock mlx-lm's plain step over its KVCache, as ``timed_forward`` calls a cache."""
+
+        def forward(self, x):
+            return (model(x, cache=stock),)
+
     def forward(B: int, W: int, r: int) -> tuple[float, float, float]:
         """(build, launch, whole) seconds of one waited forward; the cache keeps a token a row."""
-        if B == 0:
-            x = mx.array([[(3 * r) % vocab]], mx.uint32)
-            t0 = time.perf_counter()
-            out = mx.argmax(model(x, cache=stock)[:, -1], axis=-1)
-        else:
-            c = caches[B]
-            x = mx.array([[(5 * i + j + 3 * r) % vocab for j in range(W)] for i in range(B)], mx.uint32)
-            mx.eval(x)
-            t0 = time.perf_counter()
-            out = greedy_tokens(c.forward(x)[0])
-        t1 = time.perf_counter()
-        mx.async_eval(out)
-        t2 = time.perf_counter()
-        out.tolist()
-        t3 = time.perf_counter()
+        x = mx.array([[(5 * i + j + 3 * r) % vocab for j in range(W)] for i in range(max(B, 1))], mx.uint32)
+        mx.eval(x)
+        took = timed_forward(caches[B] if B else Stock(), x)
         if B:
             caches[B].rollback([W - 1] * B)
             mx.eval([layer.state for layer in caches[B].layers])
-        return t1 - t0, t2 - t1, t3 - t0
+        return took
 
     for B, W in configs:  # traces the compiled graphs and warms up
         for r in range(3):
