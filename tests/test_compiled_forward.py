@@ -229,3 +229,41 @@ def test_the_batch_compiles_unless_switched_off(model, monkeypatch):
     monkeypatch.setattr(compiled_forward, "batch_forward", False)
     assert RaggedCache(model).compiled is None
     assert RaggedCache(model, compiled=True).compiled is not None
+
+
+@pytest.mark.parametrize("which", ["qwen3_5", "qwen3_next"])
+def test_a_batchs_rows_replay_their_own_counts_in_one_call(hybrid, tiny_qwen3_next, which, monkeypatch):
+    """``replay_rows`` (the batch's rollback: one gather and one masked recurrence for every row)
+    gives each row the conv and recurrent states its own ``replay`` of its count gives, bit for
+    bit, with counts of 0 and the whole width among them; planted: a mask one step too long."""
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    from mlxspec.models import gdn_tape
+
+    model = hybrid if which == "qwen3_5" else tiny_qwen3_next
+    gdn = gdn_tape.tape_layers(model, make_prompt_cache(model))[0]
+    B, W = 4, 5
+    mx.random.seed(3)
+    cache = ArraysCache(2)
+    gdn(mx.random.normal((B, 7, gdn.hidden_size)), cache=cache)  # a state to start from
+    before = [cache[0], cache[1]]
+    cache.record_tape = True
+    gdn(mx.random.normal((B, W, gdn.hidden_size)), cache=cache)
+    tape = cache.tape
+
+    def alone(kept):
+        out = []
+        for i, m in enumerate(kept):
+            row = gdn_tape.Tape(*(x[i:i + 1] for x in (tape.conv_input, tape.q, tape.k, tape.v, tape.a, tape.b)))
+            out.append(gdn.replay(row, before[1][i:i + 1], m))
+        return mx.concatenate([c for c, _ in out]), mx.concatenate([s for _, s in out])
+
+    for kept in ([0, W, 2, 3], [W] * B, [0] * B, [1, 1, 4, 2]):
+        conv, state = gdn.replay_rows(tape, before[1], kept)
+        want_conv, want_state = alone(kept)
+        assert mx.array_equal(conv, want_conv).item() and mx.array_equal(state, want_state).item(), kept
+    real = gdn_tape.gated_delta_update
+    monkeypatch.setattr(gdn_tape, "gated_delta_update", lambda *a, **k: real(
+        *a[:8], None if a[8] is None else mx.pad(a[8][:, :-1], [(0, 0), (1, 0)], constant_values=True), **k))
+    conv, state = gdn.replay_rows(tape, before[1], [0, W, 2, 3])
+    assert not mx.array_equal(state, alone([0, W, 2, 3])[1]).item()

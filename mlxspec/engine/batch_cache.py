@@ -191,21 +191,9 @@ class RaggedCache:
     def _replay(self, junk: list[int]) -> None:
         width = self._tapes[0].q.shape[1]
         kept = [width - j for j in junk]
-        groups: dict[int, list[int]] = {}
-        for i, m in enumerate(kept):
-            groups.setdefault(m, []).append(i)
-        order = [i for m in groups for i in groups[m]]
-        back = mx.array(sorted(range(len(order)), key=order.__getitem__), mx.int32)  # rows' places
         for gdn, c, before, tape in zip(self._gdn, self._recurrent, self._before, self._tapes):
             state0 = before[1] if before[1] is not None else mx.zeros_like(c.cache[1])
-            convs, states = [], []
-            for m, rows in groups.items():
-                idx = mx.array(rows, mx.int32)
-                sub = type(tape)(*(x[idx] for x in (tape.conv_input, tape.q, tape.k, tape.v, tape.a, tape.b)))
-                conv, state = gdn.replay(sub, state0[idx], m)
-                convs.append(conv)
-                states.append(state)
-            c.cache = [mx.concatenate(convs)[back], mx.concatenate(states)[back]]
+            c.cache = list(gdn.replay_rows(tape, state0, kept))
 
     def length(self, row: int) -> int:
         """Tokens row ROW holds."""
