@@ -259,11 +259,11 @@ def test_a_batchs_rows_replay_their_own_counts_in_one_call(hybrid, tiny_qwen3_ne
         return mx.concatenate([c for c, _ in out]), mx.concatenate([s for _, s in out])
 
     for kept in ([0, W, 2, 3], [W] * B, [0] * B, [1, 1, 4, 2]):
-        conv, state = gdn.replay_rows(tape, before[1], kept)
+        conv, state = gdn.replay_rows(tape, before[1], gdn_tape.RowCounts(kept))
         want_conv, want_state = alone(kept)
         assert mx.array_equal(conv, want_conv).item() and mx.array_equal(state, want_state).item(), kept
     real = gdn_tape.gated_delta_update
     monkeypatch.setattr(gdn_tape, "gated_delta_update", lambda *a, **k: real(
         *a[:8], None if a[8] is None else mx.pad(a[8][:, :-1], [(0, 0), (1, 0)], constant_values=True), **k))
-    conv, state = gdn.replay_rows(tape, before[1], [0, W, 2, 3])
+    conv, state = gdn.replay_rows(tape, before[1], gdn_tape.RowCounts([0, W, 2, 3]))
     assert not mx.array_equal(state, alone([0, W, 2, 3])[1]).item()

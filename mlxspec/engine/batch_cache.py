@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from ..models.gdn_tape import tape_layers
+from ..models.gdn_tape import RowCounts, tape_layers
 from ..models.layer_capture import LayerCapture, capturing
 from ..models.trunk import split_trunk
 from . import compiled_forward
@@ -190,10 +190,10 @@ class RaggedCache:
 
     def _replay(self, junk: list[int]) -> None:
         width = self._tapes[0].q.shape[1]
-        kept = [width - j for j in junk]
+        counts = RowCounts([width - j for j in junk])  # the mask and positions every layer shares
         for gdn, c, before, tape in zip(self._gdn, self._recurrent, self._before, self._tapes):
             state0 = before[1] if before[1] is not None else mx.zeros_like(c.cache[1])
-            c.cache = list(gdn.replay_rows(tape, state0, kept))
+            c.cache = list(gdn.replay_rows(tape, state0, counts))
 
     def length(self, row: int) -> int:
         """Tokens row ROW holds."""

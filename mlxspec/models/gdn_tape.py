@@ -86,27 +86,48 @@ class _Taping:
         )
         return conv, state
 
-    def replay_rows(self, tape: Tape, state_before, kept: list[int]) -> tuple[mx.array, mx.array]:
-        """(conv states, recurrent states) of a batch's rows after the first KEPT[i] of row i's
-        taped tokens: one gather for the conv states and one recurrence over max(KEPT) steps,
-        masked past each row's count (a masked step leaves the state as it was; the kept steps
-        are the same arithmetic as :meth:`replay`'s, so each row gets the bits it would alone).
-        A :meth:`replay` per distinct count took about 13 ops a layer each, and on one H100
-        rolling back 4 rows of the 27B shape cost 5.7 ms a step (docs/benchmarks.md)."""
-        rows, span = len(kept), self.conv_kernel_size - 1
-        first = mx.array(kept, mx.int32)
-        at = first[:, None, None] + mx.arange(span, dtype=mx.int32)[None, :, None]  # (B, span, 1)
-        conv = mx.take_along_axis(tape.conv_input, mx.broadcast_to(at, (rows, span, tape.conv_input.shape[-1])),
-                                  axis=1)
-        steps = max(kept)
-        if steps == 0:
+    def replay_rows(self, tape: Tape, state_before, counts: RowCounts) -> tuple[mx.array, mx.array]:
+        """(conv states, recurrent states) of a batch's rows after the first ``counts.kept[i]``
+        of row i's taped tokens: one gather for the conv states and one recurrence over the
+        largest count, masked past each row's own (a masked step leaves the state as it was; the
+        kept steps are the same arithmetic as :meth:`replay`'s, so each row gets the bits it
+        would alone). A :meth:`replay` per distinct count built, besides its recurrence calls
+        (one a count, each with its gates' ops), 10, 18 and 30 ops a layer for 4 rows of 1, 2
+        and 4 counts (counted on the CPU); this builds a gather and at most 5 slices. On one
+        H100, rolling back 4 rows of the 27B shape the old way cost 5.7 ms a step
+        (docs/benchmarks.md)."""
+        span = self.conv_kernel_size - 1
+        conv = mx.take_along_axis(tape.conv_input, counts.conv_positions(span, tape.conv_input.shape[-1]), axis=1)
+        n = counts.steps
+        if n == 0:
             return conv, state_before
-        mask = None if min(kept) == steps else mx.arange(steps)[None, :] < first[:, None]  # (B, steps)
-        _, state = gated_delta_update(
-            tape.q[:, :steps], tape.k[:, :steps], tape.v[:, :steps], tape.a[:, :steps], tape.b[:, :steps],
-            self.A_log, self.dt_bias, state_before, mask, use_kernel=not self.training,
-        )
+        q, k, v, a, b = (x if x.shape[1] == n else x[:, :n] for x in (tape.q, tape.k, tape.v, tape.a, tape.b))
+        _, state = gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias, state_before, counts.mask,
+                                      use_kernel=not self.training)
         return conv, state
+
+
+class RowCounts:
+    """How many taped tokens a batch's rollback keeps of each row (KEPT[i] of row i), with what
+    every layer's :meth:`_Taping.replay_rows` shares, made once a rollback: the mask of the
+    kept steps (B, max(KEPT)) or None where every row keeps them all, and the conv states'
+    gather positions."""
+
+    def __init__(self, kept: list[int]):
+        self.kept = kept
+        self.steps = max(kept)
+        self._first = mx.array(kept, mx.int32)
+        self.mask = None if min(kept) == self.steps else mx.arange(self.steps)[None, :] < self._first[:, None]
+        self._positions: dict[tuple[int, int], mx.array] = {}
+
+    def conv_positions(self, span: int, channels: int) -> mx.array:
+        """Row i's conv state after its count: positions KEPT[i] .. KEPT[i] + SPAN - 1 of its
+        conv input, (B, SPAN, CHANNELS)."""
+        key = (span, channels)
+        if key not in self._positions:
+            at = self._first[:, None, None] + mx.arange(span, dtype=mx.int32)[None, :, None]
+            self._positions[key] = mx.broadcast_to(at, (len(self.kept), span, channels))
+        return self._positions[key]
 
 
 class TapedGatedDeltaNet(_Taping, GatedDeltaNet):
