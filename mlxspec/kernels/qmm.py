@@ -244,10 +244,10 @@ def _kernel_for(module, x: mx.array):
     small = MIN_ROWS <= rows <= MAX_ROWS
     if not (wide or small) or not active():
         return None
+    tensor_cores = wide and module.tc_layout and x.dtype == module.kernel_dtype
     if module.weight_bytes < MIN_WEIGHT_BYTES:  # a small matrix: the tensor-core kernel, or MLX's
-        wide_layout = wide and module.tc_layout and x.dtype == module.kernel_dtype
-        return qmm_tc.quantized_matmul if wide_layout and rows >= MLX_GEMM_ROWS else None
-    if wide and module.tc_layout and x.dtype == module.kernel_dtype:
+        return qmm_tc.quantized_matmul if tensor_cores and rows >= MLX_GEMM_ROWS else None
+    if tensor_cores:
         return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
 
