@@ -78,13 +78,7 @@ class _Taping:
     def replay(self, tape: Tape, state_before, m: int) -> tuple[mx.array, mx.array]:
         """(conv state, recurrent state) after the first m of the taped tokens."""
         conv = mx.contiguous(tape.conv_input[:, m : m + self.conv_kernel_size - 1, :])
-        if m == 0:
-            return conv, state_before
-        _, state = gated_delta_update(
-            tape.q[:, :m], tape.k[:, :m], tape.v[:, :m], tape.a[:, :m], tape.b[:, :m],
-            self.A_log, self.dt_bias, state_before, None, use_kernel=not self.training,
-        )
-        return conv, state
+        return conv, self._replayed_state(tape, state_before, m, None)
 
     def replay_rows(self, tape: Tape, state_before, counts: RowCounts) -> tuple[mx.array, mx.array]:
         """(conv states, recurrent states) of a batch's rows after the first ``counts.kept[i]``
@@ -98,13 +92,17 @@ class _Taping:
         (docs/benchmarks.md)."""
         span = self.conv_kernel_size - 1
         conv = mx.take_along_axis(tape.conv_input, counts.conv_positions(span, tape.conv_input.shape[-1]), axis=1)
-        n = counts.steps
+        return conv, self._replayed_state(tape, state_before, counts.steps, counts.mask)
+
+    def _replayed_state(self, tape: Tape, state_before, n: int, mask: mx.array | None):
+        """The recurrent state after the first N taped steps (MASK (B, N): a row's steps past
+        its own count leave its state as it was), both replays' one recurrence call."""
         if n == 0:
-            return conv, state_before
+            return state_before
         q, k, v, a, b = (x if x.shape[1] == n else x[:, :n] for x in (tape.q, tape.k, tape.v, tape.a, tape.b))
-        _, state = gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias, state_before, counts.mask,
+        _, state = gated_delta_update(q, k, v, a, b, self.A_log, self.dt_bias, state_before, mask,
                                       use_kernel=not self.training)
-        return conv, state
+        return state
 
 
 class RowCounts:
