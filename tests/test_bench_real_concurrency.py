@@ -71,6 +71,7 @@ def test_cli_runs_every_engine_against_stock_batching(tmp_path):
         assert batched["vs_serial"] > 0 and "acceptance" in batched and batched["mean_rows"] > 1
         # the batch's compiled graphs: traced in the warm-up, so none inside the timed repetition
         assert batched["compiled_traces"] == 0, batched
+        assert cells[(w, 2, rc.SERIAL)]["batching_bound"] > 1  # two requests: more than one's worth
     graphs = doc["real_concurrency"]["compiled_graphs"]
     assert graphs["traced"] >= 1 and graphs["tracing_calls_s"] > 0, graphs
     join = doc["real_concurrency"]["join"]
@@ -103,3 +104,10 @@ def test_a_wrong_script_shows_as_not_identical(monkeypatch):
 def test_bad_flags_are_one_line_errors(flags, message):
     result = CliRunner().invoke(cli.app, ["bench", *flags])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_the_batching_bound_is_the_prefills_plus_the_slowest_decode():
+    # requests: prefill 1 s then decode 2 s; prefill 1 s then decode 6 s (seconds from the start)
+    run = rc.Run([[1, 2], [3, 4]], first=[1.0, 4.0], last=[3.0, 10.0], serial=True)
+    assert run.batching_bound == pytest.approx(10.0 / (1.0 + 1.0 + 6.0))
+    assert rc.Run([[1]], first=[1.0], last=[2.0]).batching_bound is None  # a batch's run has none

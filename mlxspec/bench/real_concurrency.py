@@ -21,7 +21,9 @@ beside it; ratios are per repetition (paired), reported as median and IQR.
 Per run: ``aggregate_tps``, all tokens over the wall time of the N (prefill included: what N
 clients see together); ``decode_tps``, the tokens after the moment every request has its first
 token over the time from then to the last (the serial engine: its requests' decode times
-summed); ``per_request_tps``, the median over requests of (tokens - 1) / (last - first token).
+summed); ``per_request_tps``, the median over requests of (tokens - 1) / (last - first token);
+for the serial engine ``batching_bound`` (:attr:`Run.batching_bound`), the most a batch of its
+requests can gain over it.
 """
 
 from __future__ import annotations
@@ -69,6 +71,19 @@ class Run:
         before = sum(1 + (len(t) - 1) * min(1.0, (start - a) / (b - a)) if b > a else len(t)
                      for t, a, b in zip(self.tokens, self.first, self.last))
         return (sum(len(t) for t in self.tokens) - before) / (end - start) if end > start else None
+
+    @property
+    def batching_bound(self) -> float | None:
+        """A serial run's wall time over its prompts' prefills (each request's time to its first
+        token) plus its slowest request's decode: how much faster a batch of the same requests
+        can be at most while a batch step costs at least one request's step and each prompt's
+        prefill what it costs alone (the batch still waits for its slowest row)."""
+        if not self.serial:
+            return None
+        starts = [0.0, *self.last[:-1]]
+        prefills = sum(f - s for f, s in zip(self.first, starts))
+        slowest = max(b - a for a, b in zip(self.first, self.last))
+        return max(self.last) / (prefills + slowest)
 
     @property
     def per_request_tps(self) -> float | None:
@@ -272,6 +287,8 @@ def summarize(bench: ConcurrencyBench, runs: dict) -> list[dict]:
             if "mean_rows" in mine[0].stats:
                 cell["mean_rows"] = round(statistics.median(r.stats["mean_rows"] for r in mine), 2)
             cell["compiled_traces"] = sum(r.stats["compiled_traces"] for r in mine)
+        if engine == SERIAL:
+            cell["batching_bound"] = round(statistics.median(r.batching_bound for r in mine), 3)
         cell["reps_aggregate_tps"] = [round(r.aggregate_tps, 2) for r in mine]
         q = quartiles([r.aggregate_tps for r in mine])
         cell["aggregate_tps_iqr"] = [round(q[0], 2), round(q[2], 2)]
