@@ -5,9 +5,15 @@ as a k/v projection, takes the tensor-core kernel from ``qmm.MLX_GEMM_ROWS`` row
 batch's one query a row under an array mask takes the verify attention kernel) against the
 routing before ("old": both MLX's), ABAB in one process. Each arm traces its own compiled
 graphs (a scope each), in a first untimed round. Aggregate tok/s a run, the per-pair ratio
-new / old (median and IQR); every run's tokens are checked against its script.
+first arm / second (median and IQR); every run's tokens are checked against its script.
 
-    python3 benchmarks/diag_small_matrix_routing.py [--shape qwen3-8b] [--rows 4] [--reps 8] [--json OUT]
+--arms A,B picks the two routings: ``new`` and ``old`` as above, and ``tc2`` (new, but a small
+matrix takes the tensor-core kernel from 2 rows: a narrow verify's k/v projections, which MLX's
+qmv reads once per row). --workload and --engines (``batched``, ``serial``) pick the runs:
+``--rows 1 --workload mtp-like --engines serial`` is one request's mtp-like decoding.
+
+    python3 benchmarks/diag_small_matrix_routing.py [--shape qwen3-8b] [--rows 4] [--reps 8]
+        [--arms new,old] [--workload echo] [--engines batched,serial] [--json OUT]
 """
 
 from __future__ import annotations
@@ -34,40 +40,49 @@ def old_eligible(queries, keys, values, cache, mask, sinks) -> bool:
     return queries.shape[2] >= attention.MIN_ROWS and NEW_ELIGIBLE(queries, keys, values, cache, mask, sinks)
 
 
+# arm -> (qmm.MLX_GEMM_ROWS, attention.eligible)
+ARMS = {"new": (NEW_GEMM_ROWS, NEW_ELIGIBLE), "old": (1 << 30, old_eligible), "tc2": (2, NEW_ELIGIBLE)}
+ENGINES = {"batched": BATCHED, "serial": SERIAL}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--arms", default="new,old", help=f"two of {', '.join(ARMS)}")
+    ap.add_argument("--workload", default="echo")
+    ap.add_argument("--engines", default="batched,serial", help=f"of {', '.join(ENGINES)}")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    n = args.rows
-    bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=512, max_tokens=128, workloads=["echo"],
+    n, work = args.rows, args.workload
+    first, second = args.arms.split(",")
+    bench = ConcurrencyBench(args.shape, bits=4, prompt_tokens=512, max_tokens=128, workloads=[work],
                              requests=n, stock=False, reps=3)
 
-    def arm(new: bool) -> None:
-        qmm.MLX_GEMM_ROWS = NEW_GEMM_ROWS if new else 1 << 30
-        attention.eligible = NEW_ELIGIBLE if new else old_eligible
-        bench.follow("echo")
-        CompiledForward.of(bench.model).scope = ("echo", new)  # graphs traced under this arm's routing
+    def arm(name: str) -> None:
+        qmm.MLX_GEMM_ROWS, attention.eligible = ARMS[name]
+        bench.follow(work)
+        CompiledForward.of(bench.model).scope = (work, name)  # graphs traced under this arm's routing
 
-    out = {"shape": args.shape, "rows": n, "reps": args.reps, "cells": {}}
-    scripts = bench.scripts["echo"][:n]
-    for engine in (BATCHED, SERIAL):
-        tps: dict[bool, list[float]] = {True: [], False: []}
+    out = {"shape": args.shape, "rows": n, "reps": args.reps, "workload": work, "arms": [first, second], "cells": {}}
+    scripts = bench.scripts[work][:n]
+    for engine in (ENGINES[e] for e in args.engines.split(",")):
+        tps: dict[str, list[float]] = {first: [], second: []}
         for r in range(args.reps + 1):  # round 0 warms both arms up
-            for new in (True, False):
-                arm(new)
-                run = bench.run(engine, "echo", n)
+            for name in (first, second):
+                arm(name)
+                run = bench.run(engine, work, n)
                 assert all(t == s.target[len(s.prompt):len(s.prompt) + len(t)] for t, s in zip(run.tokens, scripts))
                 if r:
-                    tps[new].append(run.aggregate_tps)
-        ratios = [a / b for a, b in zip(tps[True], tps[False])]
-        out["cells"][engine] = {"new_tps": tps[True], "old_tps": tps[False],
-                                "new_median": statistics.median(tps[True]), "old_median": statistics.median(tps[False]),
-                                "new_over_old": statistics.median(ratios), "quartiles": quartiles(ratios)}
+                    tps[name].append(run.aggregate_tps)
+        ratios = [a / b for a, b in zip(tps[first], tps[second])]
+        out["cells"][engine] = {f"{first}_tps": tps[first], f"{second}_tps": tps[second],
+                                f"{first}_median": statistics.median(tps[first]),
+                                f"{second}_median": statistics.median(tps[second]),
+                                f"{first}_over_{second}": statistics.median(ratios), "quartiles": quartiles(ratios)}
         print(json.dumps({engine: out["cells"][engine]}), flush=True)
-    arm(True)
+    arm("new")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 
