@@ -663,3 +663,36 @@ def test_a_small_matrix_takes_the_tensor_core_kernel_from_mlxs_gemm_rows(monkeyp
     monkeypatch.setattr(qmm, "MLX_GEMM_ROWS", 9)  # planted: the threshold one row off
     mlp.layers[0](mx.zeros((1, 8, 256), mx.bfloat16))
     assert wide == [8, 16, 28, 40, 72]
+
+
+def test_prefill_rows_take_the_dequantized_matmul_from_dequant_rows(monkeypatch):
+    """With qmm.DEQUANT_ROWS set, rows from there (a prompt's prefill chunk) dequantize the
+    weights and multiply densely, in the layer's own dtype only; below it the routing is as
+    before; unset (the default), they stay on MLX's matmul."""
+    layer = nn.Linear(256, 64, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    monkeypatch.setattr(qmm, "active", lambda: True)
+    assert qmm.install(mlp) == 1
+    dense, wide = [], []
+    monkeypatch.setattr(qmm, "dequantized_matmul", lambda x, *a, **k: dense.append(x.shape[-2]) or x[..., :64])
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
+
+    def run(*rows):
+        for r in rows:
+            mlp.layers[0](mx.zeros((1, r, 256), mx.bfloat16))
+
+    run(72, 73, 512)
+    assert dense == [] and wide == [72]  # unset: 73 and more rows keep MLX's
+    monkeypatch.setattr(qmm, "DEQUANT_ROWS", 73)
+    run(72, 73, 512)
+    mlp.layers[0](mx.zeros((1, 512, 256)))  # float32 activations keep MLX's
+    assert dense == [73, 512] and wide == [72, 72]
+    monkeypatch.undo()  # the real dense path: MLX's outputs (float32, on the CPU)
+    q, x = mlp.layers[0], mx.random.normal((3, 80, 256))
+    want = mx.quantized_matmul(x, q["weight"], q["scales"].astype(mx.float32), q["biases"].astype(mx.float32),
+                               transpose=True, group_size=64, bits=4)
+    got = qmm.dequantized_matmul(x, q["weight"], q["scales"].astype(mx.float32), q["biases"].astype(mx.float32),
+                                 group_size=64, bits=4)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()

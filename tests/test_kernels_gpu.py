@@ -258,6 +258,32 @@ def test_a_small_matrix_takes_the_tensor_core_kernel_from_8_rows(monkeypatch):
     assert calls == [8, 16, 28, 40]
 
 
+@pytest.mark.parametrize("cols", [1, 16, 96, 1024])
+def test_the_tensor_core_kernel_takes_narrow_matrices(cols):
+    """Small matrices of few output columns (an MoE's 1-column shared-expert gate, a hybrid's
+    96-column projection) on the tensor-core kernel give MLX's outputs at 2..72 rows."""
+    mx.random.seed(11)
+    w = mx.random.normal((cols, 1024)).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    for rows in (2, 3, 7, 8, 33, 72):
+        x = mx.random.normal((rows, 1024)).astype(mx.bfloat16)
+        got = qmm_tc.quantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+        assert got.shape == (rows, cols)
+        _close(got, _reference(x, wq, scales, biases, 64, 4), TOL[mx.bfloat16])
+
+
+def test_a_prefill_chunk_on_dequantized_weights_gives_mlxs_outputs():
+    """qmm.dequantized_matmul, a prompt's prefill chunk's path where DEQUANT_ROWS sends it: MLX's
+    outputs at 80 and 512 rows of a 4-bit 1024 x 4096 matrix."""
+    mx.random.seed(12)
+    w = mx.random.normal((1024, 4096)).astype(mx.bfloat16)
+    wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    for rows in (80, 512):
+        x = mx.random.normal((1, rows, 4096)).astype(mx.bfloat16)
+        got = qmm.dequantized_matmul(x, wq, scales, biases, group_size=64, bits=4)
+        _close(got, _reference(x, wq, scales, biases, 64, 4), TOL[mx.bfloat16])
+
+
 def test_install_swaps_quantized_layers_and_keeps_their_outputs(monkeypatch):
     from mlxspec.bench.synthetic import random_model
 

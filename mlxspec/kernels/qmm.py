@@ -233,6 +233,9 @@ TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
 # measured faster than MLX's matmul at 40 and 72 rows (8 rows of 5 and of 9 tokens); past 72
 # (a prompt's prefill chunk, say) MLX's was not measured against it, so it keeps those.
 TC_SPLIT_MAX = 72
+# From this many rows (a prompt's prefill chunk) a layer dequantizes its weights and multiplies in
+# the activations' dtype, where MLX's quantized matmul is its GEMM; None: MLX's matmul.
+DEQUANT_ROWS: int | None = None
 
 
 def _kernel_for(module, x: mx.array):
@@ -240,6 +243,8 @@ def _kernel_for(module, x: mx.array):
     matmul). Decided once a call, the row count first: decoding is host-bound on CUDA, so its
     one row must cost next to nothing more than MLX's own layer (docs/benchmarks.md)."""
     rows = x.size // x.shape[-1]
+    if DEQUANT_ROWS is not None and rows >= DEQUANT_ROWS and x.dtype == module.kernel_dtype and active():
+        return dequantized_matmul
     wide = rows in TC_ROWS or (bool(TC_ROWS) and qmm_tc.MAX_ROWS < rows <= TC_SPLIT_MAX)
     small = MIN_ROWS <= rows <= MAX_ROWS
     if not (wide or small) or not active():
@@ -250,6 +255,13 @@ def _kernel_for(module, x: mx.array):
     if tensor_cores:
         return qmm_tc.quantized_matmul
     return quantized_matmul if small else None
+
+
+def dequantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+                       bits: int) -> mx.array:
+    """X @ W.T with W dequantized first (to the scales' dtype): one pass over the packed weights,
+    then the backend's dense GEMM."""
+    return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).T
 
 
 def _matmul(module, x: mx.array, kernel) -> mx.array:
