@@ -5,11 +5,14 @@ as a k/v projection, takes the tensor-core kernel from ``qmm.MLX_GEMM_ROWS`` row
 batch's one query a row under an array mask takes the verify attention kernel) against the
 routing before ("old": both MLX's), ABAB in one process. Each arm traces its own compiled
 graphs (a scope each), in a first untimed round. Aggregate tok/s a run, the per-pair ratio
-first arm / second (median and IQR); every run's tokens are checked against its script.
+first arm / second (median and IQR); every run's tokens are checked against its script. A
+serial run of several requests also gives its batching bound (``Run.batching_bound``).
 
 --arms A,B picks the two routings: ``new`` and ``old`` as above, and ``tc2`` (new, but a small
 matrix takes the tensor-core kernel from 2 rows: a narrow verify's k/v projections, which MLX's
-qmv reads once per row). --workload and --engines (``batched``, ``serial``) pick the runs:
+qmv reads once per row); ``dequant`` (new, and a prompt's prefill chunk dequantizes each matrix
+and multiplies in bf16: ``qmm.DEQUANT_ROWS``) and ``mlx-prefill`` (new, prefill on MLX's quantized
+matmul). --workload and --engines (``batched``, ``serial``) pick the runs:
 ``--rows 1 --workload mtp-like --engines serial`` is one request's mtp-like decoding.
 
     python3 benchmarks/diag_small_matrix_routing.py [--shape qwen3-8b] [--rows 4] [--reps 8]
@@ -32,6 +35,7 @@ from mlxspec.kernels import attention, qmm
 
 NEW_ELIGIBLE = attention.eligible
 NEW_GEMM_ROWS = qmm.MLX_GEMM_ROWS
+NEW_DEQUANT_ROWS = qmm.DEQUANT_ROWS
 
 
 def old_eligible(queries, keys, values, cache, mask, sinks) -> bool:
@@ -40,8 +44,10 @@ def old_eligible(queries, keys, values, cache, mask, sinks) -> bool:
     return queries.shape[2] >= attention.MIN_ROWS and NEW_ELIGIBLE(queries, keys, values, cache, mask, sinks)
 
 
-# arm -> (qmm.MLX_GEMM_ROWS, attention.eligible)
-ARMS = {"new": (NEW_GEMM_ROWS, NEW_ELIGIBLE), "old": (1 << 30, old_eligible), "tc2": (2, NEW_ELIGIBLE)}
+# arm -> (qmm.MLX_GEMM_ROWS, attention.eligible, qmm.DEQUANT_ROWS)
+ARMS = {"new": (NEW_GEMM_ROWS, NEW_ELIGIBLE, NEW_DEQUANT_ROWS), "old": (1 << 30, old_eligible, NEW_DEQUANT_ROWS),
+        "tc2": (2, NEW_ELIGIBLE, NEW_DEQUANT_ROWS), "dequant": (NEW_GEMM_ROWS, NEW_ELIGIBLE, qmm.TC_SPLIT_MAX + 1),
+        "mlx-prefill": (NEW_GEMM_ROWS, NEW_ELIGIBLE, None)}
 ENGINES = {"batched": BATCHED, "serial": SERIAL}
 
 
@@ -61,7 +67,7 @@ def main() -> None:
                              requests=n, stock=False, reps=3)
 
     def arm(name: str) -> None:
-        qmm.MLX_GEMM_ROWS, attention.eligible = ARMS[name]
+        qmm.MLX_GEMM_ROWS, attention.eligible, qmm.DEQUANT_ROWS = ARMS[name]
         bench.follow(work)
         CompiledForward.of(bench.model).scope = (work, name)  # graphs traced under this arm's routing
 
@@ -69,6 +75,7 @@ def main() -> None:
     scripts = bench.scripts[work][:n]
     for engine in (ENGINES[e] for e in args.engines.split(",")):
         tps: dict[str, list[float]] = {first: [], second: []}
+        bounds: dict[str, list[float]] = {first: [], second: []}
         for r in range(args.reps + 1):  # round 0 warms both arms up
             for name in (first, second):
                 arm(name)
@@ -76,11 +83,16 @@ def main() -> None:
                 assert all(t == s.target[len(s.prompt):len(s.prompt) + len(t)] for t, s in zip(run.tokens, scripts))
                 if r:
                     tps[name].append(run.aggregate_tps)
+                    if run.serial and n > 1:
+                        bounds[name].append(run.batching_bound)
         ratios = [a / b for a, b in zip(tps[first], tps[second])]
         out["cells"][engine] = {f"{first}_tps": tps[first], f"{second}_tps": tps[second],
                                 f"{first}_median": statistics.median(tps[first]),
                                 f"{second}_median": statistics.median(tps[second]),
                                 f"{first}_over_{second}": statistics.median(ratios), "quartiles": quartiles(ratios)}
+        for name, values in bounds.items():  # a serial run's most a batch could gain (Run.batching_bound)
+            if values:
+                out["cells"][engine][f"{name}_batching_bound"] = quartiles(values)
         print(json.dumps({engine: out["cells"][engine]}), flush=True)
     arm("new")
     if args.json:
