@@ -234,14 +234,16 @@ TC_ROWS = range(MIN_ROWS, qmm_tc.MAX_ROWS + 1)
 # (a prompt's prefill chunk, say) MLX's was not measured against it, so it keeps those.
 TC_SPLIT_MAX = 72
 # From this many rows (a prompt's prefill chunk) a layer dequantizes its weights and multiplies in
-# the activations' dtype, where MLX's quantized matmul is its GEMM; None: MLX's matmul.
+# the activations' dtype, where MLX's quantized matmul is its GEMM; None: MLX's matmul. Off: an
+# experiment for benchmarks/diag_prefill.py, not yet timed against MLX's.
 DEQUANT_ROWS: int | None = None
 
 
 def _kernel_for(module, x: mx.array):
-    """The kernel X's rows take on MODULE: the tensor-core one, this module's, or None (MLX's
-    matmul). Decided once a call, the row count first: decoding is host-bound on CUDA, so its
-    one row must cost next to nothing more than MLX's own layer (docs/benchmarks.md)."""
+    """The kernel X's rows take on MODULE: the tensor-core one, this module's, the dense matmul
+    of the dequantized weights (from DEQUANT_ROWS), or None (MLX's matmul). Decided once a call,
+    the row count first: decoding is host-bound on CUDA, so its one row must cost next to nothing
+    more than MLX's own layer (docs/benchmarks.md)."""
     rows = x.size // x.shape[-1]
     if DEQUANT_ROWS is not None and rows >= DEQUANT_ROWS and x.dtype == module.kernel_dtype and active():
         return dequantized_matmul
