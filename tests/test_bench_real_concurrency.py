@@ -76,7 +76,7 @@ def test_cli_runs_every_engine_against_stock_batching(tmp_path):
     assert graphs["traced"] >= 1 and graphs["tracing_calls_s"] > 0, graphs
     join = doc["real_concurrency"]["join"]
     assert join["join_tokens"] == 300 and join["steps"] >= 1 and join["worst_gap_ms"] > 0
-    assert "requests at once" in result.output
+    assert "requests at once" in result.output and "a batch can be at most" in result.output
 
 
 def test_a_wrong_script_shows_as_not_identical(monkeypatch):

@@ -415,6 +415,10 @@ def render(result: dict, console) -> None:
                       "-" if c.get("acceptance") is None else f"{c['acceptance']:.2f}",
                       "yes" if c["identical"] else "NO")
     console.print(table)
+    for c in result["cells"]:
+        if c.get("batching_bound") and c["concurrency"] > 1:
+            console.print(f"{c['workload']} at {c['concurrency']}: a batch can be at most {c['batching_bound']:.2f}x "
+                          "the serial engine (its prefills plus its slowest request's decode)")
     j = result.get("join")
     if j:
         console.print(f"a {j['join_tokens']}-token prompt joining {j['running']} running {j['workload']} requests "
