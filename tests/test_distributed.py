@@ -401,7 +401,8 @@ def background(tmp_path_factory):
 def test_dead_rank_ends_rank_zero_with_one_error_line(background):
     rank0, rank1 = background["dead"]
     code, _, stderr = rank0.wait()
-    assert rank1.wait(10)[0] == -signal.SIGKILL
+    code1, _, stderr1 = rank1.wait(10)
+    assert code1 == -signal.SIGKILL, (code1, stderr1, stderr)  # seen once under load: rank 1 exited 1
     assert code == 1
     # mlxspec's one line, last; before it only the ring backend's own lines (its C++ writes them)
     *backend, last = stderr.strip().splitlines()
