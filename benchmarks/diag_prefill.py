@@ -29,44 +29,31 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from benchmarks.diag_wide_verify import matrices, matrix_copies, microseconds_a_call, relative_error
 from mlxspec.bench.paired import quartiles
 from mlxspec.bench.synthetic import random_model, vocab_size
 from mlxspec.kernels import qmm
 
-CALLS, COPIES = 48, 6
 HEAD_ROWS = 65536  # a matrix with this many outputs or more is a vocabulary's
 ARMS = {"mlx": None, "dequant": qmm.TC_SPLIT_MAX + 1}
 
 
-def matrices(model: nn.Module) -> dict:
-    """One quantized layer per distinct (out, in) shape, the output head's aside (a prefill
-    chunk's cache, all it needs, does not read it)."""
-    found = {}
-    for _, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear) and m["weight"].shape[0] < HEAD_ROWS:
-            found.setdefault(f"{m['weight'].shape[0]}x{m['weight'].shape[1] * 32 // m.bits}", m)
-    return found
+def not_the_head(m: nn.Module) -> bool:
+    """The output head's matrix aside: a prefill chunk's cache, all it needs, does not read it."""
+    return m["weight"].shape[0] < HEAD_ROWS
 
 
 def time_matmuls(layer, rows: int) -> dict:
     K = layer["weight"].shape[1] * 32 // layer.bits
     x = mx.random.normal((rows, K)).astype(layer["scales"].dtype)
-    copies = [(mx.array(layer["weight"]) + 0, layer["scales"] + 0, layer["biases"] + 0) for _ in range(COPIES)]
-    mx.eval(x, copies)
+    mx.eval(x)
+    copies = matrix_copies(layer)
     gs, bits = layer.group_size, layer.bits
     fns = {"mlx": lambda w, s, b: mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits),
            "dequant": lambda w, s, b: qmm.dequantized_matmul(x, w, s, b, group_size=gs, bits=bits)}
-    ref = fns["mlx"](*copies[0]).astype(mx.float32)
-    got = fns["dequant"](*copies[0]).astype(mx.float32)
-    err = (mx.max(mx.abs(got - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-6)).item()
-    us = {n: [] for n in fns}
-    for r in range(6):  # round 0 warms up
-        for n, f in fns.items():
-            t0 = time.perf_counter()
-            mx.eval([f(*copies[i % COPIES]) for i in range(CALLS)])
-            if r:
-                us[n].append((time.perf_counter() - t0) / CALLS * 1e6)
-    mlx_us, deq_us = statistics.median(us["mlx"]), statistics.median(us["dequant"])
+    err = relative_error(fns["dequant"](*copies[0]), fns["mlx"](*copies[0]))
+    us = microseconds_a_call(fns, copies, 5)
+    mlx_us, deq_us = us["mlx"], us["dequant"]
     tflops = 2 * rows * K * layer["weight"].shape[0] / 1e12
     return {"mlx_us": round(mlx_us, 1), "dequant_us": round(deq_us, 1), "mlx_over_dequant": round(mlx_us / deq_us, 3),
             "mlx_tflops": round(tflops / (mlx_us * 1e-6), 1), "dequant_tflops": round(tflops / (deq_us * 1e-6), 1),
@@ -117,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     model = random_model(args.shape, bits=4)
     res = {"shape": args.shape, "device": mx.device_info().get("device_name"), "matmuls": {}, "prefills": []}
-    for key, layer in matrices(model).items():
+    for key, layer in matrices(model, keep=not_the_head).items():
         for rows in map(int, args.rows.split(",")):
             res["matmuls"][f"{key} @ {rows}"] = cell = time_matmuls(layer, rows)
             print("matmul", key, rows, json.dumps(cell), flush=True)

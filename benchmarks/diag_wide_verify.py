@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -50,11 +51,12 @@ POLICIES = {"mlx": range(0), "small-m": range(qmm.MAX_ROWS + 1, qmm_tc.MAX_ROWS 
 CALLS, COPIES = 48, 6
 
 
-def matrices(model: nn.Module) -> dict:
-    """One quantized layer per distinct (out, in) shape of at least the kernels' size limit."""
+def matrices(model: nn.Module, keep=lambda m: m["weight"].nbytes >= qmm.MIN_WEIGHT_BYTES) -> dict:
+    """One quantized layer per distinct (out, in) shape that KEEP takes (by default: of at least
+    the kernels' size limit)."""
     found = {}
     for name, m in model.named_modules():
-        if isinstance(m, nn.QuantizedLinear) and m["weight"].nbytes >= qmm.MIN_WEIGHT_BYTES:
+        if isinstance(m, nn.QuantizedLinear) and keep(m):
             key = f"{m['weight'].shape[0]}x{m['weight'].shape[1] * 32 // m.bits}"
             found.setdefault(key, m)
     return found
@@ -66,25 +68,43 @@ def paths(rows: int) -> list[str]:
     return ["mlx", *small, "tc16", "tc32"]
 
 
+def matrix_copies(layer) -> list[tuple]:
+    """COPIES evaluated copies of LAYER's (weight, scales, biases): graphs cycling over them read
+    most weights from memory, as a forward does."""
+    copies = [(mx.array(layer["weight"]) + 0, layer["scales"] + 0, layer["biases"] + 0) for _ in range(COPIES)]
+    mx.eval(copies)
+    return copies
+
+
+def relative_error(got: mx.array, ref: mx.array) -> float:
+    """The largest difference from REF relative to REF's largest value."""
+    got, ref = got.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.max(mx.abs(got - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-6)).item()
+
+
+def microseconds_a_call(fns: dict, copies: list[tuple], rounds: int) -> dict:
+    """Each of FNS (name -> f(w, s, b)) timed over graphs of CALLS calls cycling over COPIES,
+    round-robin, after a warm-up round: name -> median microseconds a call."""
+    us = {name: [] for name in fns}
+    for r in range(rounds + 1):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            mx.eval([f(*copies[i % COPIES]) for i in range(CALLS)])
+            if r:
+                us[name].append((time.perf_counter() - t0) / CALLS * 1e6)
+    return {name: statistics.median(v) for name, v in us.items()}
+
+
 def time_matmuls(layer, rows: int, rounds: int) -> dict:
     K = layer["weight"].shape[1] * 32 // layer.bits
     x = mx.random.normal((rows, K)).astype(layer["scales"].dtype)
-    copies = [(mx.array(layer["weight"]) + 0, layer["scales"] + 0, layer["biases"] + 0) for _ in range(COPIES)]
-    mx.eval(x, copies)
-    fns = paths(rows)
-    ref = _call("mlx", layer, x, *copies[0]).astype(mx.float32)
-    res = {}
-    for name in fns:
-        got = _call(name, layer, x, *copies[0]).astype(mx.float32)
-        err = mx.max(mx.abs(got - ref)) / mx.maximum(mx.max(mx.abs(ref)), 1e-6)
-        res[name] = {"max_rel_err": round(err.item(), 5), "us": []}
-    for r in range(rounds + 1):  # the first round warms up
-        for name in fns:
-            t0 = time.perf_counter()
-            mx.eval([_call(name, layer, x, *copies[i % COPIES]) for i in range(CALLS)])
-            if r:
-                res[name]["us"].append((time.perf_counter() - t0) / CALLS * 1e6)
-    return {n: {"max_rel_err": v["max_rel_err"], "us": round(statistics.median(v["us"]), 2)} for n, v in res.items()}
+    mx.eval(x)
+    copies = matrix_copies(layer)
+    fns = {name: functools.partial(_call, name, layer, x) for name in paths(rows)}
+    ref = fns["mlx"](*copies[0])
+    us = microseconds_a_call(fns, copies, rounds)
+    return {n: {"max_rel_err": round(relative_error(f(*copies[0]), ref), 5), "us": round(us[n], 2)}
+            for n, f in fns.items()}
 
 
 def _call(name: str, layer, x, w, s, b):
