@@ -220,16 +220,11 @@ def test_tensor_core_eligibility_and_route(monkeypatch):
     assert not qmm_tc.eligible(mx.bfloat16, w3, s3, b3, 64, 4, "affine")  # K = 192
     assert qmm_tc.split_k(4096, 4096, 2) == 8 and qmm_tc.split_k(151936, 4096, 2) == 1
     assert qmm_tc.split_k(4096, 256, 2) == 1  # 2 passes of 128 k: one warp
-    layer = nn.Linear(256, 64, bias=False)
-    layer.set_dtype(mx.bfloat16)
-    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    mlp = _bf16_quantized_layer()
     monkeypatch.setattr(qmm, "active", lambda: True)
     monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
     assert qmm.install(mlp) == 1
-    wide, small = [], []
-    monkeypatch.setattr(qmm_tc, "quantized_matmul",
-                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
-    monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
+    wide, small = _record_routes(monkeypatch)
     for rows in (1, 2, 8, 9, 32):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
     for rows in (2, 20):
@@ -251,6 +246,23 @@ def test_tensor_core_eligibility_and_route(monkeypatch):
         (1, 1), (1, 32), (2, 17), (2, 20), (2, 32), (3, 24), (8, 32)]
     plan, dims = qmm_tc._launch(40, 4096, 1024, 64, mx.bfloat16, 2, None)
     assert plan["grid"][1] == 2 and dict(plan["template"])["NT"] == 3 and dims.tolist() == [40, 4096, 1024, 64, 20]
+
+
+def _bf16_quantized_layer() -> nn.Sequential:
+    """One 4-bit 64 x 256 layer with bf16 scales (the tensor-core kernel's layout), not installed."""
+    layer = nn.Linear(256, 64, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    return nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+
+
+def _record_routes(monkeypatch) -> tuple[list[int], list[int]]:
+    """The tensor-core and small-M kernels replaced by recorders of the rows each is given (their
+    output: the input's first 64 columns): (tensor-core rows, small-M rows)."""
+    wide, small = [], []
+    monkeypatch.setattr(qmm_tc, "quantized_matmul",
+                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
+    monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
+    return wide, small
 
 
 def _quantized_mlp():
@@ -601,9 +613,7 @@ def test_decode_asks_nothing_of_the_switch(monkeypatch):
     monkeypatch.setattr(qmm, "active", lambda: asked.append("qmm") or False)
     monkeypatch.setattr(attention, "active", lambda: asked.append("attention") or False)
     monkeypatch.setattr(qmm, "MIN_WEIGHT_BYTES", 0)
-    layer = nn.Linear(256, 64, bias=False)
-    layer.set_dtype(mx.bfloat16)
-    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    mlp = _bf16_quantized_layer()
     assert qmm.install(mlp) == 1
     q, k, v, cache = _qkv(L=1, dtype=mx.bfloat16)
     mlp.layers[0](mx.zeros((1, 1, 256), mx.bfloat16))
@@ -647,15 +657,10 @@ def test_a_small_matrix_takes_the_tensor_core_kernel_from_mlxs_gemm_rows(monkeyp
     """A matrix below MIN_WEIGHT_BYTES (a k/v projection) keeps MLX's matmul below
     MLX_GEMM_ROWS rows (its qmv) and takes the tensor-core kernel from there to TC_SPLIT_MAX,
     where MLX's GEMM tiles left it most of the GPU idle; float32 activations keep MLX's."""
-    layer = nn.Linear(256, 64, bias=False)
-    layer.set_dtype(mx.bfloat16)
-    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    mlp = _bf16_quantized_layer()
     monkeypatch.setattr(qmm, "active", lambda: True)
     assert qmm.install(mlp) == 1 and mlp.layers[0].weight_bytes < qmm.MIN_WEIGHT_BYTES
-    wide, small = [], []
-    monkeypatch.setattr(qmm_tc, "quantized_matmul",
-                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
-    monkeypatch.setattr(qmm, "quantized_matmul", lambda x, w, *a, **k: small.append(x.shape[-2]) or x[..., :64])
+    wide, small = _record_routes(monkeypatch)
     for rows in (1, 2, 7, 8, 16, 28, 40, 72, 73):
         mlp.layers[0](mx.zeros((1, rows, 256), mx.bfloat16))
     mlp.layers[0](mx.zeros((1, 16, 256)))  # float32 activations
@@ -669,15 +674,12 @@ def test_prefill_rows_take_the_dequantized_matmul_from_dequant_rows(monkeypatch)
     """With qmm.DEQUANT_ROWS set, rows from there (a prompt's prefill chunk) dequantize the
     weights and multiply densely, in the layer's own dtype only; below it the routing is as
     before; unset (the default), they stay on MLX's matmul."""
-    layer = nn.Linear(256, 64, bias=False)
-    layer.set_dtype(mx.bfloat16)
-    mlp = nn.Sequential(nn.QuantizedLinear.from_linear(layer, group_size=64, bits=4))
+    mlp = _bf16_quantized_layer()
     monkeypatch.setattr(qmm, "active", lambda: True)
     assert qmm.install(mlp) == 1
-    dense, wide = [], []
+    dense = []
     monkeypatch.setattr(qmm, "dequantized_matmul", lambda x, *a, **k: dense.append(x.shape[-2]) or x[..., :64])
-    monkeypatch.setattr(qmm_tc, "quantized_matmul",
-                        lambda x, w, *a, **k: wide.append(x.size // x.shape[-1]) or x[..., :64])
+    wide, _ = _record_routes(monkeypatch)
 
     def run(*rows):
         for r in rows:
