@@ -96,11 +96,11 @@ def time_prefills(model, vocab: int, length: int, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b")
-    ap.add_argument("--rows", default="80,128,512,2048")
-    ap.add_argument("--prompt", default="512,2048")
-    ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--shape", default="qwen3-8b", help="a real shape (mlxspec bench --help lists them)")
+    ap.add_argument("--rows", default="80,128,512,2048", help="rows a matrix is timed at, comma-separated")
+    ap.add_argument("--prompt", default="512,2048", help="prompt lengths whose whole prefill is timed ABAB")
+    ap.add_argument("--reps", type=int, default=8, help="interleaved repetitions of each whole prefill")
+    ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     model = random_model(args.shape, bits=4)
     res = {"shape": args.shape, "device": mx.device_info().get("device_name"), "matmuls": {}, "prefills": []}

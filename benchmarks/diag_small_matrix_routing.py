@@ -53,13 +53,13 @@ ENGINES = {"batched": BATCHED, "serial": SERIAL}
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b")
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--shape", default="qwen3-8b", help="a real shape (mlxspec bench --help lists them)")
+    ap.add_argument("--rows", type=int, default=4, help="requests served at once (the batch's rows)")
+    ap.add_argument("--reps", type=int, default=8, help="interleaved repetitions (ABAB) of each arm")
     ap.add_argument("--arms", default="new,old", help=f"two of {', '.join(ARMS)}")
-    ap.add_argument("--workload", default="echo")
+    ap.add_argument("--workload", default="echo", help="echo or mtp-like, as in bench --real-shapes")
     ap.add_argument("--engines", default="batched,serial", help=f"of {', '.join(ENGINES)}")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="write the runs and paired ratios here")
     args = ap.parse_args()
     n, work = args.rows, args.workload
     first, second = args.arms.split(",")
