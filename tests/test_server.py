@@ -148,6 +148,20 @@ def test_tool_call_parser_holds_back_only_a_possible_tag():
     ('{"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}', 400, "cap of 256"),
     ('{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', 400, "temperature"),
     ('{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
+    # what a template would render as nothing, or a part of the prompt left out unseen
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role must be one of"),
+    ('{"messages": [{"role": "function", "content": "x"}]}', 400, "messages.0.role must be one of"),
+    ('{"messages": [{"role": "user", "content": null}]}', 400, "messages.0.content must be"),
+    ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}', 400,
+     "content part type 'image_url' is not supported"),
+    ('{"messages": [{"role": "user", "content": [{"text": "x"}]}]}', 400, "content part type None"),
+    ('{"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}', 400, "'refusal'"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}', 400,
+     "tools.0.function must be an object with a string name"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {"name": "f"}}]}', 400,
+     "tools.0.type"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"function": {"name": "f", "parameters": []}}]}',
+     400, "tools.0.function.parameters must be a JSON schema object"),
 ])
 def test_bad_requests_get_openai_shaped_4xx(served, body, status, needle):
     url, _ = served
@@ -155,6 +169,25 @@ def test_bad_requests_get_openai_shaped_4xx(served, body, status, needle):
     assert r.status_code == status
     err = r.json()["error"]
     assert needle in err["message"] and "Traceback" not in r.text
+
+
+def test_the_developer_role_is_the_system_prompt_and_an_assistant_may_refuse_in_parts(spec, served):
+    """OpenAI's newer clients send "developer" where "system" was: the template gets a system
+    message (left as "developer", a Qwen template writes a turn of a role its model never saw);
+    an assistant's refusal part is its text. The planted "developer" -> "developer" gives the
+    prompt one token more and fails."""
+    url, app = served
+    turns = [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, MSG[0]]
+    system = [{"role": "system", "content": "Answer in Python."}, *turns]
+    expected = _plain(spec, app, [system[0], {"role": "assistant", "content": "No."}, MSG[0]], 8)
+    prompt_tokens = {}
+    for role in ("developer", "system"):
+        r = _client(url).chat.completions.create(model="tiny", messages=[{**system[0], "role": role}, *turns],
+                                                 max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == expected, role
+        prompt_tokens[role] = r.usage.prompt_tokens
+    plain = _client(url).chat.completions.create(model="tiny", messages=turns, max_tokens=8, temperature=0)
+    assert prompt_tokens["developer"] == prompt_tokens["system"] > plain.usage.prompt_tokens, prompt_tokens
 
 
 def test_oversized_body_and_unknown_path(served):

@@ -273,6 +273,9 @@ def test_empty_requests_load_the_model_as_ollama_does(served):
     ({"model": "tiny", "messages": MSG, "think": "maybe"}, "think"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}], "stream": False},
      "images"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}], "stream": False}, "messages.0.role"),
+    ({"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+      "stream": False}, "tools.0.function.parameters"),
     ({"model": "tiny", "messages": MSG, "speculation": {"drafter": "magic"}}, "speculation.drafter"),
     ({"messages": MSG}, "model"),
 ])

@@ -28,6 +28,7 @@ from ..errors import UsageError
 from ..options import ConstraintSpec
 from ..reasoning import ReasoningSplitter
 from . import fim
+from .chat_messages import CHAT_ROLES, function_tools, message_role
 from .common import APIError, EventStream, Outcome, SurfaceRequest, speculation_overrides, started, template_overrides
 from .contract import RequestBody
 from .json_limits import check_json_text
@@ -167,8 +168,9 @@ def template_messages(messages: list[Message]) -> list[dict]:
         if m.images:
             raise APIError(400, f"messages.{i}.images: images are not supported by this server (text models only)",
                            param=f"messages.{i}.images")
-        msg: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-        if m.role == "assistant" and m.thinking:
+        role = message_role(m.role, CHAT_ROLES, f"messages.{i}.role")
+        msg: dict[str, Any] = {"role": role, "content": m.content or ""}
+        if role == "assistant" and m.thinking:
             msg["reasoning_content"] = m.thinking  # templates render it where the model should see it
         if m.tool_calls:
             msg["tool_calls"] = [_tool_call(c, f"messages.{i}.tool_calls.{k}") for k, c in enumerate(m.tool_calls)]
@@ -176,16 +178,6 @@ def template_messages(messages: list[Message]) -> list[dict]:
             msg["name"] = m.tool_name
         out.append(msg)
     return out
-
-
-def template_tools(tools: list[dict] | None) -> list[dict] | None:
-    if not tools:
-        return None
-    for i, t in enumerate(tools):
-        fn = t.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(400, f"tools.{i}.function must be an object with a string name", param=f"tools.{i}")
-    return [{"type": "function", **t} for t in tools]
 
 
 # -- generation -> Ollama objects -------------------------------------------------------------
@@ -311,7 +303,7 @@ async def chat(body: ChatBody, request: Request):
     model = served_name(server, body.model)
     if not body.messages:
         return loaded(model, body, chat=True)
-    tools, fmt = template_tools(body.tools), constraint(body.format)
+    tools, fmt = function_tools(body.tools), constraint(body.format)
     kwargs = template_overrides(server.settings, reasoning_mode_for(think_mode(body.think), fmt, "think"), None)
     # converted, sized and rendered on the prompt pool: 100k small messages hold the event loop ~0.3 s
     ids, points, in_reasoning = await server.prompts.run(

@@ -15,6 +15,7 @@ from ..api import GenerationRequest
 from ..errors import UsageError
 from ..options import REASONING_MODES, ConstraintSpec
 from . import fim
+from .chat_messages import CHAT_ROLES, content_text, function_tools, message_role
 from .common import (
     APIError,
     DraftMarks,
@@ -42,19 +43,19 @@ from .tools import ToolCall, ToolCallParser
 router = APIRouter(route_class=OffLoopRoute)  # large bodies parsed off the event loop
 
 
-def _text(content, where: str) -> str:
-    """A message's text: the string, or its text parts joined (other parts, e.g. images, are
-    not read); a text part without a string ``text`` is a 400."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts = []
-    for j, part in enumerate(content):
-        if part.get("type") != "text":
-            continue
-        if not isinstance(part.get("text"), str):
-            raise APIError(400, f"{where}.{j}.text must be a string", param=f"{where}.{j}.text")
-        texts.append(part["text"])
-    return "".join(texts)
+# OpenAI's roles -> the template's: "developer" is what its newer clients send for "system" (a
+# template would write it as a turn of a role its model never saw)
+ROLES = {**CHAT_ROLES, "developer": "system"}
+
+
+def _text(content, role: str, where: str) -> str:
+    """A message's text: the string, or its text parts joined (an assistant's refusal parts too).
+    Only an assistant's may be null (a turn of tool calls)."""
+    if content is None and role == "assistant":
+        return ""
+    if content is None:
+        raise APIError(400, f"{where} must be a string or a list of text parts for a {role} message", param=where)
+    return content_text(content, where, ("text", "refusal") if role == "assistant" else ("text",), "text")
 
 
 def _tool_call(call: dict, where: str) -> dict:
@@ -123,9 +124,10 @@ def reasoning_mode(body: "ChatRequest") -> str | None:
 def _template_messages(messages: list[Message]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
-        msg: dict[str, Any] = {"role": m.role, "content": _text(m.content, f"messages.{i}.content")}
+        role = message_role(m.role, ROLES, f"messages.{i}.role")
+        msg: dict[str, Any] = {"role": role, "content": _text(m.content, role, f"messages.{i}.content")}
         thought = (m.model_extra or {}).get("reasoning_content")
-        if m.role == "assistant" and isinstance(thought, str) and thought:
+        if role == "assistant" and isinstance(thought, str) and thought:
             msg["reasoning_content"] = thought  # templates render it where the model should see it
         if m.tool_calls:
             msg["tool_calls"] = [_tool_call(c, f"messages.{i}.tool_calls.{k}") for k, c in enumerate(m.tool_calls)]
@@ -249,7 +251,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     options = sampling_options(server, body)
-    tools = body.tools if body.tool_choice != "none" else None
+    tools = function_tools(body.tools) if body.tool_choice != "none" else None
     one_call = body.parallel_tool_calls is False  # the calls after the first are left out
     constraint = request_constraint(body, tools, body.tool_choice)
     mode = reasoning_mode_for(reasoning_mode(body), constraint, "reasoning")

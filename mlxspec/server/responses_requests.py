@@ -13,6 +13,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field
 
 from ..options import ConstraintSpec
+from .chat_messages import content_text, message_role
 from .common import APIError
 from .contract import RequestBody, limit_text
 from .json_limits import check_json_text
@@ -75,21 +76,7 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 def item_text(content, where: str) -> str:
     """A message's (or a tool output's) text: the string, or its text parts joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where} must be a string or a list of input_text parts", param=where)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise APIError(400, f"{where}.{j}: content part type {kind!r} is not supported here; use input_text",
-                           param=f"{where}.{j}")
-        text = part.get("refusal" if kind == "refusal" else "text")
-        if not isinstance(text, str):
-            raise APIError(400, f"{where}.{j}.text must be a string", param=f"{where}.{j}.text")
-        texts.append(text)
-    return "".join(texts)
+    return content_text(content, where, TEXT_PARTS, "input_text")
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -139,9 +126,7 @@ def input_messages(given: Union[str, list[dict], None]) -> list[dict]:
         where = f"input.{i}"
         kind = item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
-            if role is None:
-                raise APIError(400, f"{where}.role must be one of {', '.join(ROLES)}", param=f"{where}.role")
+            role = message_role(item.get("role"), ROLES, f"{where}.role")
             msg = {"role": role, "content": item_text(item.get("content"), f"{where}.content")}
             if role == "assistant" and thought:
                 msg["reasoning_content"], thought = thought, ""
