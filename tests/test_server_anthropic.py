@@ -329,6 +329,10 @@ def _anthropic_error(body, kind):
     ({"model": "tiny", "max_tokens": 4, "stream": True, "messages": [
         {"role": "user", "content": [{"type": "image", "source": {}}]}]}, None, 400,
      "invalid_request_error", "image"),
+    ({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, None, 400,
+     "invalid_request_error", "messages.0.content: a text block needs its text"),
+    ({"model": "tiny", "max_tokens": 4, "system": [{"type": "text"}], "messages": HELLO}, None, 400,
+     "invalid_request_error", "system: a text block needs its text"),
 ])
 def test_errors_are_anthropic_shaped(base_url, body, raw, status, kind, mentions):
     got, answer = post(base_url, "/v1/messages", body, raw=raw)

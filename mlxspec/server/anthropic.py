@@ -109,6 +109,13 @@ class MessagesBody(CountBody):
 
 # -- request -> chat-template messages -------------------------------------------------------
 
+def _block_text(block: Block, where: str) -> str:
+    """A text block's text; one without it is a 400 (as Anthropic's), not an empty turn."""
+    if block.text is None:
+        raise APIError(400, f"{where}: a text block needs its text", param=where)
+    return block.text
+
+
 def _text_of(content, where: str) -> str:
     """A string, or the text blocks of a list joined by newlines (other blocks: 400)."""
     if content is None:
@@ -119,7 +126,7 @@ def _text_of(content, where: str) -> str:
     for b in content:
         if b.type != "text":
             raise APIError(400, f"{where}: content block type '{b.type}' is not supported here; use text blocks")
-        parts.append(b.text or "")
+        parts.append(_block_text(b, where))
     return "\n".join(parts)
 
 
@@ -138,7 +145,7 @@ def template_messages(body: CountBody) -> list[dict]:
         for b in m.content:
             where = f"messages.{i}.content"
             if b.type == "text":
-                texts.append(b.text or "")
+                texts.append(_block_text(b, where))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.name:
                     raise APIError(400, f"{where}: tool_use blocks need a name", param=where)
