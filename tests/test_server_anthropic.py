@@ -333,6 +333,8 @@ def _anthropic_error(body, kind):
      "invalid_request_error", "messages.0.content: a text block needs its text"),
     ({"model": "tiny", "max_tokens": 4, "system": [{"type": "text"}], "messages": HELLO}, None, 400,
      "invalid_request_error", "system: a text block needs its text"),
+    ({"model": "tiny", "max_tokens": 4, "messages": HELLO, "stop_sequences": ["\n", ""]}, None, 400,
+     "invalid_request_error", "stop_sequences.1 is empty"),
 ])
 def test_errors_are_anthropic_shaped(base_url, body, raw, status, kind, mentions):
     got, answer = post(base_url, "/v1/messages", body, raw=raw)

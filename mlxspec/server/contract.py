@@ -64,12 +64,17 @@ def unknown_keys(given: Mapping, known, where: str) -> None:
                            param=f"{where}.{key}")
 
 
-def check_stop_strings(stops: list[str], param: str, most: int = MAX_STOP_STRINGS) -> None:
+def check_stop_strings(stops: list[str], param: str, most: int = MAX_STOP_STRINGS, empty_ok: bool = False) -> None:
     """400 naming PARAM when STOPS (strings) are more than MOST, or one is longer than
-    MAX_STOP_LENGTH: each is matched against every chunk of the answer."""
+    MAX_STOP_LENGTH (each is matched against every chunk of the answer), or empty unless
+    EMPTY_OK (a surface whose own server drops an empty one, as Ollama's): an empty stop string
+    would stop nothing, unseen."""
     if len(stops) > most:
         raise APIError(400, f"{param} takes at most {most} stop strings, got {len(stops)}", param=param)
     for i, stop in enumerate(stops):
+        if not stop and not empty_ok:
+            raise APIError(400, f"{param}.{i} is empty; a stop string needs at least one character",
+                           param=f"{param}.{i}")
         if len(stop) > MAX_STOP_LENGTH:
             raise APIError(400, f"{param}.{i} is {len(stop)} characters; a stop string may have at most "
                                 f"{MAX_STOP_LENGTH}", param=f"{param}.{i}")

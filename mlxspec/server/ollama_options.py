@@ -100,5 +100,5 @@ def sampling(server, options) -> tuple[dict, list[str]]:
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stop, list) or any(not isinstance(s, str) for s in stop)):
         raise APIError(400, "options.stop must be a string or a list of strings", param="options.stop")
-    check_stop_strings(stop or [], "options.stop")
+    check_stop_strings(stop or [], "options.stop", empty_ok=True)
     return values, [s for s in stop or [] if s]
