@@ -68,7 +68,7 @@ def refused(url: str, path: str, body, needle: str) -> None:
     ({**CHAT, "tools": [FN], "tool_choice": {"type": "function", "function": "f"}}, "tool_choice must be"),
     ({**CHAT, "tools": [FN], "tool_choice": {"type": "function", "function": [1]}}, "tool_choice must be"),
     ({**CHAT, "tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"},
-     "tools.0.function.name must be a string"),
+     "tools.0.function must be an object with a string name"),
 ])
 def test_a_tool_choice_that_names_no_function_is_a_400(served, body, needle):
     refused(served[0], "/v1/chat/completions", body, needle)
