@@ -74,6 +74,26 @@ def test_a_tool_choice_that_names_no_function_is_a_400(served, body, needle):
     refused(served[0], "/v1/chat/completions", body, needle)
 
 
+# -- a value of another JSON type: refused, as the real APIs refuse it, not coerced -------------------
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),  # lax pydantic: 1 token
+    ("/v1/chat/completions", {**CHAT, "temperature": "0.7"}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {**CHAT, "seed": "7"}, "seed"),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "2"}, "max_tokens"),
+    ("/v1/messages", {**MESSAGES, "max_tokens": True}, "max_tokens"),
+    ("/v1/messages", {**MESSAGES, "stream": 1}, "stream"),
+    ("/api/chat", {**OLLAMA_CHAT, "stream": "false"}, "stream"),
+])
+def test_a_value_of_another_json_type_is_a_400_not_coerced(served, path, body, field):
+    refused(served[0], path, body, field)
+
+
+def test_an_integer_for_a_number_is_served(served):
+    assert post(served[0], "/v1/chat/completions", {**CHAT, "temperature": 0, "top_p": 1})[0] == 200
+
+
 # -- JSON nested deeper than any surface takes --------------------------------------------------
 
 def _assistant_call(arguments) -> list:

@@ -37,8 +37,9 @@ class RequestBody(BaseModel):
     """A surface's request body: its declared fields, plus IGNORED (field -> why it changes
     nothing here), dropped before validation; any other field is a 400 naming it."""
 
-    # NaN and Infinity (Python's JSON reads both) are no option's value
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # NaN and Infinity (Python's JSON reads both) are no option's value; strict: a value of another
+    # JSON type is refused, as the real APIs refuse it (lax, `true` was 1 token, "yes" a stream)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     IGNORED: ClassVar[Mapping[str, str]] = {}
 
     @model_validator(mode="before")
