@@ -152,6 +152,7 @@ LIMITS = {
     "top_k": (lambda v: v >= 0, "0 (off) or more"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "max_tokens": (lambda v: v >= 1, "at least 1"),
+    "seed": (lambda v: 0 <= v <= MAX_SEED, f"between 0 and {MAX_SEED}"),  # what mx.random.key takes
     "logprobs": (lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"between 0 and {MAX_TOP_LOGPROBS}"),
     # 1 (or None) is off; > 1 makes a repeated token less likely (multiplicative, sign-aware)
     "repetition_penalty": (lambda v: 0 < v < math.inf, "more than 0 and finite (1 is off)"),

@@ -85,7 +85,7 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         check_choice("drafter", self.drafter, DRAFTERS)
-        check_values({"max_tokens": self.max_tokens})
+        check_values({"max_tokens": self.max_tokens, "seed": self.seed})
         self.sampling.validate()
         check_values({"depth": self.depth, "logprobs": self.logprobs})
         check_values({"repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,

@@ -283,6 +283,8 @@ def test_options_reach_the_api(fake_load):
     (["--repetition-penalty", "inf"], "--repetition-penalty"),
     (["--drafter", "magic"], "unknown drafter"),
     (["--drafter", "draft"], "--draft-model"),
+    (["--seed", "-5", "--temp", "0.7"], "--seed must be between 0 and"),  # was mx.random.key's TypeError
+    (["--seed", str(2**64), "--temp", "0.7"], "--seed must be between 0 and"),
 ])
 def test_bad_flag_values(fake_load, flags, fragment):
     result = CliRunner().invoke(cli.app, ["run", "m", "p", *flags])

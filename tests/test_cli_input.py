@@ -160,6 +160,7 @@ def test_help_shows_defaults_and_no_bool_metavars():
 
 def test_bench_takes_temp_like_run(env):
     one_error_line(invoke("bench", "no-model", "--temp", "-1"), 2, "--temp must be between 0 and")
+    one_error_line(invoke("bench", "no-model", "--seed", "-1"), 2, "--seed must be between 0 and")
 
 
 @pytest.mark.parametrize("flags, fragment", [

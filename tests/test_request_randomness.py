@@ -61,3 +61,13 @@ def test_interleaved_requests_do_not_disturb_each_other(model, drafter):
             except StopIteration:
                 live.discard(seed)
     assert together == alone
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_mx_random_key_cannot_take_is_a_usage_error(seed):
+    """The Python API's request refuses it by name where mx.random.key raised a TypeError."""
+    from mlxspec.errors import UsageError
+    from mlxspec.request import GenerationRequest
+
+    with pytest.raises(UsageError, match="seed must be between 0 and"):
+        GenerationRequest(seed=seed, temperature=0.7)

@@ -352,6 +352,13 @@ def test_serve_on_a_port_in_use_says_so_before_loading(monkeypatch):
     assert result.output.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_serve_refuses_a_port_out_of_range_before_loading(monkeypatch, port):
+    result, loaded = _serve(monkeypatch, "--port", port, "--host", "127.0.0.1")
+    assert result.exit_code == 2 and not loaded  # 99999 was bind()'s OverflowError, an internal error
+    assert result.output.strip() == f"error: --port must be between 1 and 65535, got {port}"
+
+
 def test_serve_takes_the_model_as_an_option(monkeypatch):
     result, loaded = _serve(monkeypatch, "--model", "some-model", "--port", str(free_port()))
     assert loaded == ["some-model"], result.output

@@ -175,7 +175,7 @@ def bench(
             _redraw(from_json, png_path)
             return
         _check_counts(reps=reps, draft_depth=draft_depth, depth=depth, temperature=temperature, prompts=prompts,
-                      max_tokens=max_tokens)
+                      max_tokens=max_tokens, seed=seed)
         _check_early(png_path, engines, chat or sharded or (sweep, concurrency, join_tokens) != (None, None, None))
         if concurrency is not None or join_tokens is not None:
             _check(not chat and sweep is None, "--concurrency is a benchmark of its own: give no --chat or --sweep")
@@ -230,14 +230,14 @@ def _run_concurrency(model, draft_model, dtype, concurrency, join_tokens, real_s
                            prompts, max_tokens, reps, drafter, temperature, seed, json_path, progress, join_tokens)
 
 
-def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens) -> None:
+def _check_counts(*, reps, draft_depth, depth, temperature, prompts, max_tokens, seed) -> None:
     """The flags every benchmark shares, checked before anything is built or loaded."""
     _check(reps is None or reps >= 1, f"--reps must be at least 1, got {reps}")
     check_values({"depth": draft_depth}, {"depth": "--draft-depth"})
     check_values({"depth": depth, "temperature": temperature},
                  {"depth": "--depth", "temperature": FLAGS["temperature"][0]})
     _check(prompts is None or prompts >= 1, f"--prompts must be at least 1, got {prompts}")
-    check_values({"max_tokens": max_tokens}, {"max_tokens": "--max-tokens"})
+    check_values({"max_tokens": max_tokens, "seed": seed}, {"max_tokens": "--max-tokens", "seed": "--seed"})
 
 
 def _check_early(png_path: Optional[str], engines: Optional[str], own_engines: bool) -> None:

@@ -49,7 +49,7 @@ from .console import (
 FLAG_LABELS = {"depth": "--depth", "temperature": FLAGS["temperature"][0], "top_p": "--top-p", "top_k": "--top-k",
                "min_p": "--min-p", "max_tokens": FLAGS["max_tokens"][0], "repetition_penalty": "--repetition-penalty",
                "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-               "penalty_window": "--penalty-window"}
+               "penalty_window": "--penalty-window", "seed": "--seed"}
 def _check_flags(given: dict, draft_model: Optional[str], depth: Optional[int]) -> None:
     """Refuse bad values (flags, $MLXSPEC_*, config) before anything is loaded."""
     check_choice("drafter", given["drafter"], DRAFTERS)
@@ -254,7 +254,7 @@ def run(
         _check_flags(given, draft_model, depth)
         penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                          frequency_penalty=frequency_penalty, penalty_window=penalty_window)
-        check_values(penalties, FLAG_LABELS)
+        check_values({**penalties, "seed": seed}, FLAG_LABELS)
         tree_nodes = parse_tree(tree)
         model, prompt = run_input.model_and_prompt(model_option, prompt_option, model, prompt)
         model, prompt = run_input.split_positionals(run_input.aliased_model(model, yes), prompt)

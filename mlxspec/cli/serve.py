@@ -163,6 +163,8 @@ def serve(
         host, port = given["host"], given["port"]
         cache_bytes, key = _check_flags(given, max_queue, max_tokens_cap, api_key, api_key_file)
         model = _one_model(model, model_option)
+        if not 1 <= port <= 65535:  # $MLXSPEC_PORT and the config file's are checked where read
+            raise UsageError(f"--port must be between 1 and 65535, got {port}")
         if max_connections < 1:
             raise UsageError("--max-connections must be >= 1")
         if max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT:
