@@ -104,7 +104,11 @@ class TokenConstraint:
         self._bits = self._numpy.allocate_token_bitmask(1, self.vocab)
 
     def _error(self) -> str:
-        return self.matcher.get_error().strip().splitlines()[0]
+        """llguidance's error in one line: its first, and the reason a regex's parse error gives
+        lines later ("error: unclosed group"), past the pattern drawn with carets."""
+        first, *rest = self.matcher.get_error().strip().splitlines()
+        reason = next((line.strip()[len("error:"):].strip() for line in rest if line.strip().startswith("error:")), "")
+        return f"{first} {reason}" if reason else first
 
     def _allowed(self) -> np.ndarray:
         """The current state's allowed tokens, as a bool row of the logits' width."""
