@@ -90,6 +90,19 @@ def test_a_value_of_another_json_type_is_a_400_not_coerced(served, path, body, f
     refused(served[0], path, body, field)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/api/chat"])
+@pytest.mark.parametrize("content, headers, needle", [
+    (b"", {}, "the request body is empty; send a JSON object"),  # was "Field required"
+    ('{"messages": "h\u00e9"}'.encode("latin-1"), {}, "the request body is not valid JSON in UTF-8"),
+    (b"\x1f\x8b\x08\x00", {"content-encoding": "gzip"}, "content-encoding gzip is not supported here"),
+])
+def test_a_body_that_is_not_json_text_says_why(served, path, content, headers, needle):
+    """FastAPI's "There was an error parsing the body" said neither what nor how to mend it."""
+    r = httpx.post(served[0] + path, content=content, headers={"content-type": "application/json", **headers})
+    error = r.json()["error"]
+    assert r.status_code == 400 and needle in (error if isinstance(error, str) else error["message"]), r.text
+
+
 def test_an_integer_for_a_number_is_served(served):
     assert post(served[0], "/v1/chat/completions", {**CHAT, "temperature": 0, "top_p": 1})[0] == 200
 

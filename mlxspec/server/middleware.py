@@ -268,6 +268,8 @@ async def invalid_request(request: Request, err: RequestValidationError):
     where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
     if first.get("type") == "json_invalid":
         message, where = "the request body is not valid JSON", None
+    elif first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        message = "the request body is empty; send a JSON object"
     elif first.get("type") == UNKNOWN_FIELD:  # the field, inside the object at fault
         where = ".".join(filter(None, (where, first["ctx"]["field"])))
         message = unknown_field_message(where, first["ctx"]["hint"])
@@ -279,11 +281,20 @@ async def invalid_request(request: Request, err: RequestValidationError):
                         status_code=400)
 
 
+# FastAPI's words for a body it could not decode as text (not UTF-8, or compressed)
+UNDECODED_BODY = "There was an error parsing the body"
+
+
 async def http_error(request: Request, err: StarletteHTTPException):
     if err.status_code == 404:  # no route matched (the surfaces answer their own 404s as APIError)
         return missing_route(request)
     kind = ERROR_KINDS.get(err.status_code, "api_error")
-    return JSONResponse(error_body(surface_of(request.url.path), err.status_code, str(err.detail), kind),
+    message = str(err.detail)
+    if err.status_code == 400 and message == UNDECODED_BODY:
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        message = (f"content-encoding {encoding} is not supported here: send the body uncompressed"
+                   if encoding not in ("", "identity") else "the request body is not valid JSON in UTF-8")
+    return JSONResponse(error_body(surface_of(request.url.path), err.status_code, message, kind),
                         status_code=err.status_code, headers=err.headers)  # e.g. a 405's Allow
 
 
