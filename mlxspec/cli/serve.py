@@ -161,14 +161,9 @@ def serve(
         given = settings(dict(drafter=drafter, host=host, port=port, preset=preset, reasoning=reasoning,
                               prompt_cache_bytes=prompt_cache_bytes))
         host, port = given["host"], given["port"]
-        cache_bytes, key = _check_flags(given, max_queue, max_tokens_cap, api_key, api_key_file)
+        cache_bytes, key = _check_flags(given, max_queue, max_tokens_cap, api_key, api_key_file,
+                                        max_connections, max_batch)
         model = _one_model(model, model_option)
-        if not 1 <= port <= 65535:  # $MLXSPEC_PORT and the config file's are checked where read
-            raise UsageError(f"--port must be between 1 and 65535, got {port}")
-        if max_connections < 1:
-            raise UsageError("--max-connections must be >= 1")
-        if max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT:
-            raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH_LIMIT} (got {max_batch})")
         ui_on = _is_loopback(host) if ui is None else ui
         follower = _follower_or_port_free(host, port)
         from .machine import prepare_run
@@ -195,10 +190,16 @@ def _banner(spec, batch_note: str, host: str, port: int, key: Optional[str], dra
         print_note(f"chat page: open {url}/ in a browser")
 
 
-def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Optional[str],
-                 api_key_file: Optional[str]) -> tuple[int, Optional[str]]:
+def _check_flags(given: dict, max_queue: int, max_tokens_cap: int, api_key: Optional[str], api_key_file: Optional[str],
+                 max_connections: int, max_batch: Optional[int]) -> tuple[int, Optional[str]]:
     """Refuse bad settings before the model loads -> (prompt cache bytes, API key or None)."""
     check_reasoning(given["reasoning"])
+    if not 1 <= given["port"] <= 65535:  # $MLXSPEC_PORT's and the config file's are checked where read
+        raise UsageError(f"--port must be between 1 and 65535, got {given['port']}")
+    if max_connections < 1:
+        raise UsageError("--max-connections must be >= 1")
+    if max_batch is not None and not 1 <= max_batch <= MAX_BATCH_LIMIT:
+        raise UsageError(f"--max-batch must be from 1 to {MAX_BATCH_LIMIT} (got {max_batch})")
     from ..config import parse_bytes
 
     cache_bytes = parse_bytes(given["prompt_cache_bytes"], "--prompt-cache-bytes")
