@@ -222,6 +222,8 @@ def test_infill_refuses_what_it_does_not_take(served):
     assert r.status_code == 400 and "input_prefix" in r.text
     r = httpx.post(served + "/v1/completions", json={"prompt": [1, 2], "suffix": "b"})
     assert r.status_code == 400 and "text prompt" in r.text
+    r = httpx.post(served + "/infill", json={"input_prefix": "a", "input_suffix": "b", "n_predict": 3, "stop": [""]})
+    assert r.status_code == 400 and "stop.0 is empty" in r.json()["error"]["message"]
 
 
 def test_fuzzed_infill_bodies_get_no_5xx(fim_spec):
