@@ -335,6 +335,8 @@ def _anthropic_error(body, kind):
      "invalid_request_error", "system: a text block needs its text"),
     ({"model": "tiny", "max_tokens": 4, "messages": HELLO, "stop_sequences": ["\n", ""]}, None, 400,
      "invalid_request_error", "stop_sequences.1 is empty"),
+    ({"model": "tiny", "max_tokens": 4, "messages": HELLO, "tools": [{"name": "f"}, {"name": " "}]}, None, 400,
+     "invalid_request_error", "tools.1.name must not be empty"),
 ])
 def test_errors_are_anthropic_shaped(base_url, body, raw, status, kind, mentions):
     got, answer = post(base_url, "/v1/messages", body, raw=raw)

@@ -183,9 +183,11 @@ def template_tools(body: CountBody) -> list[dict] | None:
     if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
     tools = []
-    for t in body.tools:
+    for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
             raise APIError(400, f"tool type '{t.type}' (a server tool) is not supported here", param="tools")
+        if not t.name.strip():  # a template would offer a tool no call can name
+            raise APIError(400, f"tools.{i}.name must not be empty", param=f"tools.{i}.name")
         tools.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                        "parameters": t.input_schema}})
     return tools
