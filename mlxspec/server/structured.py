@@ -52,13 +52,12 @@ def guided_json_constraint(schema) -> ConstraintSpec | None:
 
 def _forced_tools(tools: list[dict] | None, choice) -> list[dict] | None:
     """The functions a ``tool_choice`` forces one call of: all for "required", the named one for
-    {"type": "function", "function": {"name": ...}}; None when it forces nothing."""
+    {"type": "function", "function": {"name": ...}}; None when it forces nothing. TOOLS come
+    checked, each a function with a string name (``chat_messages.function_tools``, Responses'
+    ``chat_tools``, Anthropic's ``template_tools``)."""
     if choice is None or choice in ("auto", "none"):
         return None
-    functions = [t.get("function") for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
-    for i, f in enumerate(functions):  # a forced call's grammar names each function
-        if not isinstance(f.get("name"), str):
-            raise APIError(400, f"tools.{i}.function.name must be a string", param=f"tools.{i}.function.name")
+    functions = [t["function"] for t in tools or []]
     if choice == "required":
         if not functions:
             raise APIError(400, "tool_choice \"required\" needs tools", param="tool_choice")
